@@ -1,0 +1,55 @@
+# Two commands for a fresh CPU-only machine with Python 3.11, pip and gcc:
+#   make demo   - set up .venv if needed, then run the 2-process ZeRO-3 demo
+#   make test   - set up .venv if needed, then run the whole CPU test suite
+# With GPUs: make gpu-test (GPU integration tests) and make bench (benchmarks).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# On a CPU host pin the CPU build of torch first, so pip never pulls a multi-GB CUDA build.
+# Set TORCH_SPEC= (empty) to keep whatever torch the environment has (GPU hosts).
+TORCH_SPEC ?= torch==2.13.0
+# Extra pip arguments, e.g. PIP_ARGS="--no-index --find-links .whl" on an offline host.
+PIP_ARGS ?=
+VENV_ARGS ?=
+PIP := $(PY) -m pip install -q --disable-pip-version-check $(PIP_ARGS)
+
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.cache/inductor
+export HF_HUB_OFFLINE = 1
+export TOKENIZERS_PARALLELISM = false
+export PYTHONUNBUFFERED = 1
+
+STAMP := $(VENV)/.hf_zero3-installed
+
+.PHONY: demo test gpu-test bench install clean
+
+$(STAMP): setup.cfg pyproject.toml requirements/tested.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV_ARGS) $(VENV)
+	$(PIP) --upgrade pip setuptools wheel
+	if [ -n "$(TORCH_SPEC)" ]; then $(PIP) "$(TORCH_SPEC)"; fi
+	$(PIP) -c requirements/tested.txt ninja numpy packaging psutil py-cpuinfo hjson msgpack \
+		"pydantic>=2" einops tqdm
+	# DeepSpeed ships an sdist: build it against the torch above, ops JIT-built when first used.
+	DS_BUILD_OPS=0 $(PIP) --no-build-isolation -c requirements/tested.txt deepspeed
+	$(PIP) -c requirements/tested.txt -e ".[test,trl,peft]"
+	touch $@
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest tests/cpu -q
+
+# GPU hosts: reuse the system's CUDA torch (no pin), then run the tests marked gpu.
+gpu-test:
+	$(MAKE) install VENV=.venv-gpu VENV_ARGS=--system-site-packages TORCH_SPEC=
+	.venv-gpu/bin/python -m pytest tests/gpu -q -m gpu
+
+bench:
+	$(MAKE) install VENV=.venv-gpu VENV_ARGS=--system-site-packages TORCH_SPEC=
+	.venv-gpu/bin/python benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) .venv-gpu .cache

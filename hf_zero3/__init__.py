@@ -1,0 +1,38 @@
+"""hf_zero3: DeepSpeed ZeRO-3 and DeepCompile, safe and fast inside the Hugging Face stack.
+
+Public API (imported lazily, so ``import hf_zero3`` stays cheap):
+
+* :class:`Zero3Safe` - the ``transformers.Trainer`` callback: eval, predict and generate work
+  under DeepCompile ZeRO-3 and generation runs in lockstep.
+* :func:`eval_forward` - the same protection for forwards outside the Trainer.
+* :func:`lockstep`, :func:`lockstep_generate`, :class:`Zero3GenerationMixin` - lockstep generation.
+* :func:`gathered_forwards` - the gather-all / layer-wise region both build on.
+"""
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "Zero3Safe": "hf_zero3.trainer",
+    "eval_forward": "hf_zero3.trainer",
+    "lockstep": "hf_zero3.generation",
+    "lockstep_generate": "hf_zero3.generation",
+    "Zero3GenerationMixin": "hf_zero3.generation",
+    "LockstepConfig": "hf_zero3.generation",
+    "gathered_forwards": "hf_zero3.gathering",
+}
+
+__all__ = sorted(_LAZY) + ["__version__"]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'hf_zero3' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__
