@@ -43,10 +43,17 @@ def engine_of(model_or_engine: Any):
     if engine is not None:
         return engine
     for obj in _live_objects_named("DeepSpeedEngine"):
-        if getattr(obj, "module", None) is model_or_engine:
+        if _contains(getattr(obj, "module", None), model_or_engine):
             _ENGINES[model_or_engine] = weakref.ref(obj)
             return obj
     return None
+
+
+def _contains(root, module) -> bool:
+    """``module`` is ``root`` or one of its submodules (a PEFT model's base model, say)."""
+    if root is None:
+        return False
+    return root is module or any(m is module for m in root.modules())
 
 
 def _is_engine(obj) -> bool:
@@ -129,7 +136,7 @@ def offload_of(model_or_engine):
             return opt
     module = unwrap(model_or_engine)
     for obj in _live_objects_named("DeepSpeedZeRoOffload"):
-        if getattr(obj, "module", None) is module:
+        if _contains(getattr(obj, "module", None), module):
             return obj
     return None
 

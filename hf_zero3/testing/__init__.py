@@ -10,3 +10,7 @@ __all__ = [
     "STRICT_ZERO3", "strict_zero3_config", "trainer_zero3_config",
     "DistributedFailure", "RankReport", "free_port", "mark", "run_ranks",
 ]
+
+from .spy import CollectiveSpy  # noqa: E402
+
+__all__.append("CollectiveSpy")

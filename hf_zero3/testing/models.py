@@ -63,11 +63,21 @@ def zero3_model(config, ds_config: dict, *, seed: int = 0, dtype: torch.dtype = 
     from transformers.integrations import HfDeepSpeedConfig
 
     cls = model_class_for(config)  # import model classes before zero.Init wraps __init__
+    ensure_deepspeed_comm()
     _LIVE_DS_CONFIGS.append(HfDeepSpeedConfig(ds_config))
     torch.manual_seed(seed)
     model = cls._from_config(config, dtype=dtype)
     model.generation_config.pad_token_id = config.pad_token_id
     return model
+
+
+def ensure_deepspeed_comm() -> None:
+    """DeepSpeed reads the world size from its own comm layer; wrap an existing torch group."""
+    import deepspeed
+    import torch.distributed as dist
+
+    if dist.is_initialized() and not deepspeed.comm.is_initialized():
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
 
 
 def plain_model(config, *, seed: int = 0, dtype: torch.dtype = torch.float32):

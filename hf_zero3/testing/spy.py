@@ -1,0 +1,63 @@
+"""Record which collectives a rank issues, on which group, while the real ones run."""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+
+_OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
+        "barrier", "all_gather_object", "all_reduce_coalesced")
+
+
+class CollectiveSpy:
+    """Context manager: wraps ``torch.distributed`` collectives to count them by op and group.
+
+    The real collective still runs; ``calls`` counts ``(op, group_ranks)`` where ``group_ranks`` is
+    a tuple of global ranks (``"WORLD"`` for the default group).
+    """
+
+    def __init__(self):
+        self.calls: Counter = Counter()
+        self._saved = {}
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        for name in _OPS:
+            fn = getattr(dist, name, None)
+            if fn is None:
+                continue
+            self._saved[name] = fn
+            setattr(dist, name, self._wrap(name, fn))
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+        self._saved.clear()
+
+    def _wrap(self, name, fn):
+        import torch.distributed as dist
+
+        @functools.wraps(fn)
+        def spy(*args, **kwargs):
+            group = kwargs.get("group")
+            if group is None or group is dist.group.WORLD:
+                key = "WORLD"
+            else:
+                key = tuple(dist.get_process_group_ranks(group))
+            self.calls[(name, key)] += 1
+            return fn(*args, **kwargs)
+
+        return spy
+
+    def total(self, group=None) -> int:
+        return sum(n for (op, g), n in self.calls.items() if group is None or g == group)
+
+    def world_calls(self) -> int:
+        import torch.distributed as dist
+
+        full = tuple(range(dist.get_world_size()))
+        return sum(n for (op, g), n in self.calls.items() if g == "WORLD" or g == full)
