@@ -238,6 +238,7 @@ def open_eval_region(model, gather: str = "auto") -> GatherPlan | None:
     stack = contextlib.ExitStack()
     plan = stack.enter_context(eval_forward(model, gather))
     model._hf_zero3_eval_region = stack
+    model.hf_zero3_last_eval_plan = plan
     return plan
 
 
