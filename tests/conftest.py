@@ -25,3 +25,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
+
+
+def pytest_sessionstart(session):
+    """Build DeepSpeed's CPU comm op once, before any rank is spawned (see testing/warm.py)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    from hf_zero3.testing.warm import warm_cpu_comm_op
+
+    warm_cpu_comm_op()

@@ -177,6 +177,10 @@ def _rank_main(fn, rank, world_size, port, workdir, args, kwargs, pg_timeout, ba
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     os.environ.update(env)
+    if backend == "nccl":
+        import torch
+
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     result_path = os.path.join(workdir, f"rank{rank}.result")
     try:
         mark("init_process_group")

@@ -1,0 +1,62 @@
+"""Shared benchmark plumbing: launch on every GPU (up to 2) or CPU, print a ratio table, save raw
+numbers as JSON next to the caller (and under $OUT when set)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
+
+
+def world_and_backend(max_gpus: int = 2):
+    import torch
+
+    n = torch.cuda.device_count()
+    return (min(n, max_gpus), "nccl") if n else (2, "gloo")
+
+
+def environment() -> dict:
+    import importlib.metadata as md
+
+    import torch
+
+    env = {"python": platform.python_version(), "torch": torch.__version__,
+           "cuda": torch.version.cuda, "gpus": [torch.cuda.get_device_name(i)
+                                                for i in range(torch.cuda.device_count())]}
+    for pkg in ("deepspeed", "transformers", "accelerate"):
+        try:
+            env[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            env[pkg] = None
+    return env
+
+
+def save(name: str, payload: dict, here: str) -> str:
+    payload = {"environment": environment(), **payload}
+    path = os.path.join(here, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1, default=str)
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, f"{name}.json"), "w") as f:
+            json.dump(payload, f, indent=1, default=str)
+    return path
+
+
+def table(rows: list[dict], cols: list[str]) -> str:
+    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols]
+    line = lambda vals: "| " + " | ".join(v.ljust(w) for v, w in zip(vals, widths)) + " |"
+    out = [line(cols), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    out += [line([_fmt(r.get(c)) for c in cols]) for r in rows]
+    return "\n".join(out)
+
+
+def _fmt(v):
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
+    return "" if v is None else str(v)

@@ -1,0 +1,11 @@
+"""Run every benchmark (`make bench`); each prints its table and writes its JSON beside itself."""
+
+import os
+import runpy
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+for script in ("generation/bench_generation.py", "eval/bench_eval.py"):
+    print(f"\n===== {script} =====", flush=True)
+    sys.argv = [script]
+    runpy.run_path(os.path.join(HERE, script), run_name="__main__")
