@@ -1,0 +1,90 @@
+"""DeepCompile's profile of one graph, as the planner's :class:`GraphProfile`, agreed across ranks.
+
+DeepCompile profiles every graph after each pass (``profiling_results[graph_id]``): per node its
+device time (ms), the bytes allocated after it and the peak while it ran, and each gathered
+parameter's size. Memory is measured per rank, so two ranks can see slightly different numbers;
+:func:`agree_profile` takes the element-wise maximum over the gather group (one all-reduce), after
+which every rank plans from the same input and builds the same plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch.fx import Graph
+
+from hf_zero3.compile.planner import (COMPUTE, GATHER, INPUT, OUTPUT, RELEASE, WAIT, GraphProfile, NodeProfile,
+                                      PlanError)
+
+__all__ = ["node_kind", "profile_from_deepcompile", "agree_profile", "profile_complete"]
+
+
+def _dc_ops():
+    dc = torch.ops.dc
+    return {dc.allgather_param.default: GATHER, dc.wait_allgather.default: WAIT, dc.release_param.default: RELEASE}
+
+
+def node_kind(node, ops=None) -> str:
+    if node.op == "placeholder":
+        return INPUT
+    if node.op == "output":
+        return OUTPUT
+    return (ops or {}).get(node.target, COMPUTE)
+
+
+def _ds_id(node, kind) -> int:
+    # allgather_param(param, graph_id, ds_id, dtype?); wait_allgather / release_param(t, graph_id, ds_id, ...)
+    if kind in (GATHER, WAIT, RELEASE) and len(node.args) > 2 and isinstance(node.args[2], int):
+        return int(node.args[2])
+    return -1
+
+
+def profile_complete(prof, bwd: bool) -> bool:
+    from deepspeed.compile.profilers.graph_profile import is_profile_incomplete
+
+    graph = prof.bwd_graph if bwd else prof.fwd_graph
+    complete = prof.bwd_mem_complete if bwd else prof.fwd_mem_complete
+    return graph is not None and complete and not is_profile_incomplete(graph)
+
+
+def profile_from_deepcompile(graph: Graph, prof, graph_id: int, bwd: bool, ops=None) -> GraphProfile:
+    """Join ``graph``'s nodes with ``prof`` (a DeepCompile ``ProfilingResult``) by node name."""
+    ops = ops if ops is not None else _dc_ops()
+    mem = prof.bwd_mem if bwd else prof.fwd_mem
+    times = prof.bwd_time if bwd else prof.fwd_time
+    sizes = prof.bwd_tensor_sizes if bwd else prof.fwd_tensor_sizes
+    if not mem:
+        raise PlanError(f"graph {graph_id} has no memory profile; DeepCompile did not profile it "
+                        f"(schedule the memory plan after 'zero3_compile' in the same step)")
+    mem_d = {name: (alloc, peak) for name, alloc, _delta, peak in mem}
+    time_d = {name: float(dt) / 1e3 for name, dt, _wt in times}
+    size_d = {name: int(sz) for name, sz in sizes}
+    nodes = []
+    alloc, peak = 0, 0
+    for node in graph.nodes:
+        if node.name in mem_d:  # nodes the profiler skipped inherit the previous values
+            alloc, peak = (int(v) for v in mem_d[node.name])
+        kind = node_kind(node, ops)
+        nbytes = size_d.get(node.name, 0) if kind == GATHER else 0
+        nodes.append(NodeProfile(node.name, kind, _ds_id(node, kind), nbytes, time_d.get(node.name, 0.0),
+                                 max(peak, alloc), alloc))
+    return GraphProfile(graph_id, tuple(nodes), bwd)
+
+
+def agree_profile(profile: GraphProfile, group=None) -> GraphProfile:
+    """Element-wise maximum of peaks, allocations, sizes and times (ns) over ``group``."""
+    from hf_zero3.agree import all_equal, all_max
+
+    n = len(profile.nodes)
+    if not all_equal([n, sum(1 for x in profile.nodes if x.kind == GATHER)], group):
+        raise PlanError(f"graph {profile.graph_id}: ranks traced different graphs (node counts differ); "
+                        f"every rank of the gather group must compile the same model and inputs")
+    flat = []
+    for x in profile.nodes:
+        flat += [x.peak, x.alloc, x.nbytes, int(round(x.time * 1e9))]
+    agreed = all_max(flat, group)
+    nodes = tuple(
+        replace(x, peak=agreed[4 * i], alloc=agreed[4 * i + 1], nbytes=agreed[4 * i + 2], time=agreed[4 * i + 3] / 1e9)
+        for i, x in enumerate(profile.nodes))
+    return replace(profile, nodes=nodes)
