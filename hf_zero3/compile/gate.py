@@ -1,0 +1,198 @@
+"""The run-time prefetch gate's Python face: its two graph ops, their agreement, its counters.
+
+The planned graph carries, before its first prefetch, ``hf_zero3::agree_launch`` and then one
+``hf_zero3::gated_prefetch`` per planned slot::
+
+    launch = agree_launch(anchor, graph_id, ref_alloc, budget)       # once per graph launch
+    gated_prefetch(graph_id, params, ds_ids, nbytes, window_peak, launch)
+
+``agree_launch`` measures this rank's drift (allocated + non-PyTorch memory now, minus what the
+profile had at that point) and takes the group's maximum with one all-reduce,
+so ``launch = [drift, budget]`` is identical on every rank. ``gated_prefetch`` then issues
+DeepCompile's fused all-gather only when ``window_peak + drift <= budget``: a pure function of
+agreed values, so every rank issues or defers the same prefetches and the NCCL all-gathers keep
+one order. A deferred gather happens at its point of use (DeepCompile's ``allgather_param``).
+
+``gated_prefetch`` and the allocator read are native (``csrc/gate.cpp``) when
+:func:`hf_zero3._ext.is_available`, else the pure-PyTorch code below, which decides the same.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from hf_zero3 import _ext
+
+__all__ = ["decide", "agree_drift", "register_ops", "counters", "reset_counters", "memory_state",
+           "MemoryState", "set_launch_group", "set_issue_fn", "local_drift", "native", "simulate_launch"]
+
+_LOCK = threading.Lock()
+_LIB = None
+_GROUPS: dict[int, object] = {}   # graph_id -> gather process group
+_STATE_FNS: dict[int, Callable[[], "MemoryState"]] = {}  # graph_id -> memory reader (CPU tests)
+
+
+def _dc_prefetch(graph_id: int, params: list, ids: list) -> None:
+    torch.ops.dc.prefetch_params_fused(graph_id, params, ids)
+
+
+_ISSUE: list[Callable] = [_dc_prefetch]  # what the PyTorch fallback does to issue a prefetch
+_COUNTERS = {"issued": 0, "deferred": 0, "issued_bytes": 0, "deferred_bytes": 0, "launches": 0}
+
+
+@dataclass(frozen=True)
+class MemoryState:
+    """One device's memory, in bytes: the caching allocator's and the driver's view."""
+
+    allocated: int
+    reserved: int
+    free: int
+    total: int
+    fraction: float = 1.0
+
+    @property
+    def non_pytorch(self) -> int:
+        """Used on the device but not by this process's caching allocator (CUDA context, NCCL,
+        cuBLAS workspaces, other processes)."""
+        return max(0, self.total - self.free - self.reserved)
+
+    @property
+    def fragmentation(self) -> int:
+        """Reserved by the allocator but not allocated: cached blocks a large request may not fit."""
+        return max(0, self.reserved - self.allocated)
+
+
+def native():
+    return _ext.load()
+
+
+def memory_state(device: int | torch.device | None = None) -> MemoryState:
+    """Read natively when the gate is built, else through torch.cuda (same numbers)."""
+    if device is None:
+        device = torch.cuda.current_device()
+    index = device.index if isinstance(device, torch.device) else int(device)
+    mod = native()
+    if mod is not None and mod.built_with_cuda():
+        torch.cuda.init()  # the allocator has no device state before CUDA is initialised
+        a, r, f, t, ppm = mod.memory_state(index)
+        return MemoryState(a, r, f, t, ppm / 1e6)
+    from hf_zero3._compat import cuda_memory_fraction
+
+    free, total = torch.cuda.mem_get_info(index)
+    return MemoryState(torch.cuda.memory_allocated(index), torch.cuda.memory_reserved(index), free, total,
+                       cuda_memory_fraction(torch.device("cuda", index)))
+
+
+def decide(window_peak: int, launch: Sequence[int]) -> bool:
+    """Issue a planned prefetch under this launch's agreed ``[drift, budget]``?"""
+    return int(window_peak) + int(launch[0]) <= int(launch[1])
+
+
+def agree_drift(local_drift: int, group=None) -> int:
+    """The group's largest drift: one all-reduce, the only collective the gate adds per launch."""
+    from hf_zero3.agree import all_max
+
+    return all_max([int(local_drift)], group)[0]
+
+
+def set_launch_group(graph_id: int, group, state_fn: Callable[[], "MemoryState"] | None = None) -> None:
+    """Which group ``graph_id``'s launches agree over; ``state_fn`` reads memory where the anchor
+    is not a CUDA tensor (CPU tests drive the gate with it)."""
+    _GROUPS[graph_id] = group
+    if state_fn is not None:
+        _STATE_FNS[graph_id] = state_fn
+
+
+def set_issue_fn(fn: Callable | None) -> None:
+    """Replace what the PyTorch fallback calls to issue a prefetch (None: DeepCompile's fused
+    all-gather). CPU tests issue a real gloo collective instead, so a disagreement would hang."""
+    _ISSUE[0] = fn or _dc_prefetch
+
+
+def local_drift(graph_id: int, ref_alloc: int, state: MemoryState) -> int:
+    """Memory now minus the profile's at the same point, in DeepCompile's profile units
+    (allocated + non-PyTorch): optimizer states allocated since, other graphs' leftovers, NCCL."""
+    return state.allocated + state.non_pytorch - int(ref_alloc)
+
+
+def _agree_launch_impl(anchor: torch.Tensor, graph_id: int, ref_alloc: int, budget: int) -> torch.Tensor:
+    if anchor.is_cuda:
+        state = memory_state(anchor.device)
+    elif graph_id in _STATE_FNS:
+        state = _STATE_FNS[graph_id]()
+    else:
+        state = MemoryState(int(ref_alloc), 0, 0, 0)
+    drift = agree_drift(local_drift(graph_id, ref_alloc, state), _GROUPS.get(graph_id))
+    mod = native()
+    if mod is not None:
+        mod.note_launch()
+    else:
+        _COUNTERS["launches"] += 1
+    return torch.tensor([drift, int(budget)], dtype=torch.int64)
+
+
+def _gated_prefetch_impl(graph_id: int, params: list[torch.Tensor], ids: list[int], nbytes: int,
+                         window_peak: int, launch: torch.Tensor) -> None:
+    # A launch without data (DeepCompile's profiler may run the graph on meta values) defers.
+    ok = launch.device.type != "meta" and launch.numel() == 2 and decide(window_peak, launch.tolist())
+    if ok:
+        _ISSUE[0](graph_id, params, ids)
+        _COUNTERS["issued"] += 1
+        _COUNTERS["issued_bytes"] += int(nbytes)
+    else:
+        _COUNTERS["deferred"] += 1
+        _COUNTERS["deferred_bytes"] += int(nbytes)
+
+
+def register_ops() -> None:
+    """Define ``hf_zero3::agree_launch`` (always Python: it runs a collective) and, when the
+    native gate is not built, ``hf_zero3::gated_prefetch`` in PyTorch. Idempotent."""
+    global _LIB
+    with _LOCK:
+        if _LIB is not None:
+            return
+        native()  # the native library must define its op first, if at all
+        lib = torch.library.Library("hf_zero3", "FRAGMENT")
+        lib.define("agree_launch(Tensor anchor, int graph_id, int ref_alloc, int budget) -> Tensor")
+        lib.impl("agree_launch", _agree_launch_impl, "CompositeExplicitAutograd")
+        torch.library.register_fake("hf_zero3::agree_launch", _agree_launch_fake, lib=lib)
+        if not hasattr(torch.ops.hf_zero3, "gated_prefetch"):
+            lib.define("gated_prefetch(int graph_id, Tensor[] params, int[] ids, int nbytes, int window_peak, "
+                       "Tensor launch) -> ()")
+            lib.impl("gated_prefetch", _gated_prefetch_impl, "CompositeExplicitAutograd")
+            lib.impl("gated_prefetch", lambda *a: None, "Meta")
+        # Nothing consumes gated_prefetch's (absent) output: keep FX's and inductor's dead-code
+        # elimination from dropping it (both consult _side_effectful_functions).
+        for name in ("agree_launch", "gated_prefetch"):
+            torch.fx.node._side_effectful_functions.add(getattr(torch.ops.hf_zero3, name).default)
+        _LIB = lib
+
+
+def _agree_launch_fake(anchor, graph_id, ref_alloc, budget):
+    return torch.empty(2, dtype=torch.int64, device="cpu")
+
+
+def counters() -> dict:
+    """Prefetches issued and deferred (and their bytes) and launches agreed, in this process."""
+    mod = native()
+    return dict(mod.counters()) if mod is not None else dict(_COUNTERS)
+
+
+def reset_counters() -> None:
+    mod = native()
+    if mod is not None:
+        mod.reset_counters()
+    for k in _COUNTERS:
+        _COUNTERS[k] = 0
+
+
+def simulate_launch(slots: Sequence[tuple[int, int]], drift: int, budget: int,
+                    decide_fn: Callable[[int, Sequence[int]], bool] = decide) -> list[bool]:
+    """The decisions one launch takes for ``slots`` = [(window_peak, nbytes)], given agreed
+    ``drift`` and ``budget`` (used by tests and the benchmark's report)."""
+    launch = [int(drift), int(budget)]
+    return [bool(decide_fn(wp, launch)) for wp, _ in slots]
