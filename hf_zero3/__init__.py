@@ -7,6 +7,9 @@ Public API (imported lazily, so ``import hf_zero3`` stays cheap):
 * :func:`eval_forward` - the same protection for forwards outside the Trainer.
 * :func:`lockstep`, :func:`lockstep_generate`, :class:`Zero3GenerationMixin` - lockstep generation.
 * :func:`gathered_forwards` - the gather-all / layer-wise region both build on.
+* :class:`Zero3DeepSpeedPlugin`, :func:`enable_memory_plan` - DeepCompile's memory-budgeted
+  prefetch plan through accelerate; :func:`compile_with_memory_plan` for a bare engine;
+  :class:`MemoryPlanConfig` its settings.
 """
 
 __version__ = "0.1.0"
@@ -19,6 +22,10 @@ _LAZY = {
     "Zero3GenerationMixin": "hf_zero3.generation",
     "LockstepConfig": "hf_zero3.generation",
     "gathered_forwards": "hf_zero3.gathering",
+    "Zero3DeepSpeedPlugin": "hf_zero3.accelerate",
+    "enable_memory_plan": "hf_zero3.accelerate",
+    "MemoryPlanConfig": "hf_zero3.compile",
+    "compile_with_memory_plan": "hf_zero3.compile.memory_plan",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

@@ -19,7 +19,8 @@ import torch.nn as nn
 __all__ = [
     "unwrap", "engine_of", "is_zero3_param", "is_zero3_model", "zero3_params", "gather_group",
     "group_world_size", "deepcompile_active", "deepcompile_enabled", "offload_of",
-    "zero3_hooks_suspended", "full_param_bytes", "device_of",
+    "zero3_hooks_suspended", "full_param_bytes", "device_of", "pending_optimizer_bytes",
+    "deepcompile_handle", "replace_pending_schedule", "deepcompile_supported",
 ]
 
 _ENGINES: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
@@ -207,3 +208,70 @@ def _live_objects_named(cls_name: str):
                 yield obj
         except ReferenceError:  # dead weakproxy
             continue
+
+
+# --- DeepCompile internals (deepspeed.compile), read only here --------------------------------
+
+def deepcompile_supported() -> tuple[bool, str]:
+    """(supported, why not): DeepCompile needs a CUDA accelerator and torch >= 2.6."""
+    try:
+        from deepspeed.compile.util import is_deepcompile_supported
+    except ImportError as exc:
+        return False, f"this DeepSpeed has no DeepCompile ({exc}); pip install 'deepspeed>=0.18'"
+    if not is_deepcompile_supported():
+        return False, ("DeepCompile runs on CUDA only (DeepSpeed's accelerator here is "
+                       f"{_accelerator_name()!r}, torch {torch.__version__}); train without "
+                       "compile.deepcompile or on a CUDA machine")
+    return True, ""
+
+
+def _accelerator_name() -> str:
+    try:
+        from deepspeed.accelerator import get_accelerator
+
+        return get_accelerator().device_name()
+    except Exception:
+        return "unknown"
+
+
+def deepcompile_handle():
+    """DeepCompile's native module (``set_persistent`` lives there)."""
+    from deepspeed.compile.util import get_deepcompile_handle
+
+    return get_deepcompile_handle()
+
+
+def pending_optimizer_bytes(engine) -> int:
+    """Device bytes the optimizer will allocate at its first step and has not yet.
+
+    A plan made at step 0 (one compile instead of DeepSpeed's two) is profiled before Adam's
+    ``exp_avg``/``exp_avg_sq`` exist; they are fp32 and partitioned like the fp32 master weights,
+    so they are reserved from the budget here. 0 once the states exist or when they live on CPU.
+    """
+    opt = getattr(engine, "optimizer", None)
+    inner = getattr(opt, "optimizer", None)
+    if inner is None or any(len(s) for s in getattr(inner, "state", {}).values()):
+        return 0
+    groups = getattr(opt, "fp32_partitioned_groups_flat", None) or []
+    on_device = [t for t in groups if isinstance(t, torch.Tensor) and t.device.type != "cpu"]
+    numel = sum(t.numel() for t in on_device)
+    name = type(inner).__name__.lower()
+    per_param = 2 if "adam" in name or "lamb" in name else 1
+    return numel * 4 * per_param
+
+
+def replace_pending_schedule(engine, schedule) -> bool:
+    """Swap the pass schedule of an engine that was compiled but has not run a compiled step yet
+    (accelerate calls ``engine.compile`` with no schedule). Returns False when it is too late."""
+    from deepspeed.compile import backend as dc_backend
+
+    if not getattr(engine, "is_compiled", False) or getattr(engine, "global_steps", 0) > 0:
+        return False
+    if dc_backend.profiling_results or getattr(dc_backend, "next_passes", None):
+        return False  # the first compiled forward already launched step 0's passes
+    from deepspeed.compile.passes.contract import validate_schedule
+
+    validate_schedule(schedule, dc_backend.opt_passes)
+    fns = [(step, [p if callable(p) else dc_backend.opt_passes[p] for p in passes]) for step, passes in schedule]
+    dc_backend.init_schedule(fns)
+    return True

@@ -28,7 +28,7 @@ class TokenDataset(torch.utils.data.Dataset):
 
 def make_trainer(output_dir: str, *, callbacks=(), max_steps: int = 6, eval_steps: int | None = None,
                  n_eval: int = 5, seq2seq: bool = False, progress: bool = False, seed: int = 0,
-                 eval_on_start: bool = False):
+                 eval_on_start: bool = False, ds_extra: dict | None = None):
     """Build a Trainer (or Seq2SeqTrainer) on a tiny Llama partitioned by ``zero.Init``.
 
     Call on every rank after ``deepspeed.init_distributed(dist_backend="gloo")``.
@@ -41,7 +41,7 @@ def make_trainer(output_dir: str, *, callbacks=(), max_steps: int = 6, eval_step
     args_cls = Seq2SeqTrainingArguments if seq2seq else TrainingArguments
     extra = dict(predict_with_generate=True, generation_max_length=SEQ_LEN + 6) if seq2seq else {}
     args = args_cls(
-        output_dir=output_dir, use_cpu=True, deepspeed=trainer_zero3_config(),
+        output_dir=output_dir, use_cpu=True, deepspeed=trainer_zero3_config(extra=ds_extra),
         per_device_train_batch_size=2, per_device_eval_batch_size=1, max_steps=max_steps,
         learning_rate=5e-3, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         logging_steps=1, save_strategy="no", report_to=[], seed=seed, data_seed=seed,

@@ -8,6 +8,10 @@ Trainer has no "evaluation begins" event, so the callback arms the model instead
 forward opens a gathered region (agreed across ranks, see :mod:`hf_zero3.gathering`), and
 ``on_evaluate`` / ``on_predict`` / the next training step or forward close it, before the compiled
 training graph runs again.
+
+Under DeepCompile ZeRO-3 it also enables hf_zero3's memory plan (:mod:`hf_zero3.compile`) in place
+of DeepSpeed's prefetch + selective_gather schedule, configured by the DeepSpeed config's
+``hf_zero3.memory_plan`` section; ``memory_plan=False`` keeps DeepSpeed's schedule.
 """
 
 from __future__ import annotations
@@ -32,10 +36,12 @@ class Zero3Safe(TrainerCallback):
         stop: lockstep generation stop mode, ``"sync"`` or ``"fixed"``.
         sync_every: steps between stop agreements in ``"sync"`` mode.
         strict_versions: raise (instead of warn) when an installed library is older than supported.
+        memory_plan: install hf_zero3's DeepCompile memory plan (see :mod:`hf_zero3.compile`);
+            it must be constructed before the Trainer for the plan to reach ``engine.compile``.
     """
 
     def __init__(self, gather: str = "auto", stop: str = "sync", sync_every: int = 1,
-                 strict_versions: bool = False):
+                 strict_versions: bool = False, memory_plan: bool = True):
         if gather not in GATHER_MODES:
             raise ValueError(f"gather must be one of {GATHER_MODES}, not {gather!r}")
         if stop not in STOP_MODES:
@@ -48,6 +54,10 @@ class Zero3Safe(TrainerCallback):
                 raise RuntimeError(msg)
             warnings.warn(msg, stacklevel=2)
         self._warned_uncompiled = False
+        if memory_plan:
+            from ..accelerate import enable_memory_plan
+
+            enable_memory_plan()
 
     # -- install -----------------------------------------------------------------------------
     def _install(self, model) -> None:

@@ -198,4 +198,5 @@ def trainer_deepcompile(tmpdir: str, with_zero3safe: bool):
     trainer.train()
     evals = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return dict(evals=evals, losses=losses)
+    planner = getattr(trainer.model_wrapped, "_hf_zero3_memory_plan", None)
+    return dict(evals=evals, losses=losses, plan=planner.summary() if planner else None)

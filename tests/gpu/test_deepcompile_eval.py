@@ -72,3 +72,5 @@ def test_trainer_eval_under_deepcompile(tmp_path):
         # eval at steps 3 and 6 and after the last step (7): three evaluations, all finite
         assert len(r["evals"]) == 3 and all(math.isfinite(x) for x in r["evals"])
         assert len(r["losses"]) == 7
+        # Zero3Safe put hf_zero3's memory plan into accelerate's engine.compile call
+        assert r["plan"] and r["plan"]["graphs"] >= 2, r["plan"]

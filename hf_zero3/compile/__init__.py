@@ -1,0 +1,28 @@
+"""DeepCompile side: a memory-budgeted prefetch/persistence plan and its run-time gate.
+
+* :mod:`.planner` - pure planning functions (CPU-testable): :func:`plan_prefetch`,
+  :func:`plan_persistence`.
+* :mod:`.profile` / :mod:`.budget` - DeepCompile's profile and the device budget, each agreed
+  across the gather group so every rank plans from the same numbers.
+* :mod:`.memory_plan` - the DeepCompile pass, its schedule, :func:`apply_memory_plan`,
+  :func:`compile_with_memory_plan`.
+* :mod:`.gate` - the run-time gate's ops (native in ``csrc/`` when built, else PyTorch).
+* :mod:`.config` - :class:`MemoryPlanConfig` (DeepSpeed config key ``hf_zero3.memory_plan``,
+  env ``HF_ZERO3_*``).
+"""
+
+from hf_zero3.compile.config import ConfigError, MemoryPlanConfig
+from hf_zero3.compile.planner import (BudgetTooSmallError, GraphProfile, NodeProfile, PlanError, PrefetchPlan,
+                                      plan_persistence, plan_prefetch)
+
+__all__ = ["MemoryPlanConfig", "ConfigError", "PlanError", "BudgetTooSmallError", "GraphProfile", "NodeProfile",
+           "PrefetchPlan", "plan_prefetch", "plan_persistence", "apply_memory_plan", "compile_with_memory_plan",
+           "memory_plan_schedule"]
+
+
+def __getattr__(name):
+    if name in ("apply_memory_plan", "compile_with_memory_plan", "memory_plan_schedule"):
+        from hf_zero3.compile import memory_plan
+
+        return getattr(memory_plan, name)
+    raise AttributeError(name)

@@ -1,0 +1,66 @@
+"""How many bytes the plan may use on this rank, agreed (minimum) over the gather group.
+
+DeepSpeed's passes budget against 90% of ``total_memory()``. A process capped with
+``torch.cuda.set_per_process_memory_fraction`` (or sharing the card) then plans for memory it
+cannot get. DeepCompile's profile records ``allocated + non-PyTorch memory`` (CUDA context, NCCL,
+other processes on the card), so the budget is expressed in the same units::
+
+    cap    = max_memory or total x per-process fraction      # what the caching allocator may hold
+    limit  = min(cap + non-PyTorch, total)                   # in profile units
+    budget = limit - fragmentation - safety_margin x cap - reserved
+
+``fragmentation`` is reserved-but-unallocated memory (cached blocks a large gather may not fit
+in), ``reserved`` what will be allocated later in the step but is absent from the profile (the
+optimizer's states, for a plan made at step 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hf_zero3.compile.config import MemoryPlanConfig
+from hf_zero3.compile.gate import MemoryState
+
+__all__ = ["MemoryBudget", "compute_budget", "agree_budget"]
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    limit: int
+    non_pytorch: int
+    fragmentation: int
+    safety: int
+    reserved: int
+    budget: int
+
+    @property
+    def gate_budget(self) -> int:
+        """What the run-time gate compares against: the reservation is measured as drift once it
+        is allocated, so it is not subtracted twice."""
+        return self.budget + self.reserved
+
+    def describe(self) -> str:
+        g = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+        return (f"budget {g(self.budget)} (allocated + non-PyTorch) = limit {g(self.limit)} - fragmentation {g(self.fragmentation)} - "
+                f"safety {g(self.safety)} - reserved {g(self.reserved)} (non-PyTorch {g(self.non_pytorch)})")
+
+
+def compute_budget(config: MemoryPlanConfig, state: MemoryState, reserved: int = 0) -> MemoryBudget:
+    """This rank's budget from its memory ``state`` (see the module docstring)."""
+    cap = int(state.total * state.fraction)
+    if config.max_memory is not None:
+        cap = min(cap, int(config.max_memory))
+    limit = min(cap + state.non_pytorch, state.total)
+    safety = int(cap * config.safety_margin)
+    budget = limit - state.fragmentation - safety - int(reserved)
+    return MemoryBudget(limit, state.non_pytorch, state.fragmentation, safety, int(reserved), budget)
+
+
+def agree_budget(local: MemoryBudget, group=None) -> MemoryBudget:
+    """The group's tightest budget (one all-reduce): every rank then plans against the same number."""
+    from hf_zero3.agree import all_max, all_min
+
+    lo = all_min([local.budget, local.limit], group)
+    hi = all_max([local.non_pytorch, local.fragmentation, local.safety, local.reserved], group)
+    return MemoryBudget(limit=lo[1], non_pytorch=hi[0], fragmentation=hi[1], safety=hi[2], reserved=hi[3],
+                        budget=lo[0])

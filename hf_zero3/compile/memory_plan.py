@@ -1,0 +1,280 @@
+"""The DeepCompile pass that replaces ``prefetch`` + ``selective_gather`` with one budgeted plan.
+
+Per graph (forward and backward), after DeepSpeed's ``zero3_compile`` pass has inserted the
+all-gathers and releases and DeepCompile has profiled the result:
+
+1. the profile is agreed across the gather group (:func:`agree_profile`) and so is the budget
+   (:func:`agree_budget`), so every rank plans from identical inputs;
+2. :func:`plan_prefetch` places fused prefetches under the budget; the plan's fingerprint is
+   checked equal on all ranks (a mismatch raises rather than reordering NCCL all-gathers);
+3. the graph gets one ``hf_zero3::agree_launch`` and one ``hf_zero3::gated_prefetch`` per slot;
+4. on the last backward graph, parameters are made persistent by benefit per byte within what
+   the budget has left over every planned graph's peak.
+
+Entry points: :func:`apply_memory_plan` (register the pass on an engine, return the schedule)
+and :func:`compile_with_memory_plan` (that, then ``engine.compile``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from hf_zero3.compile.budget import MemoryBudget, agree_budget, compute_budget
+from hf_zero3.compile.config import ConfigError, MemoryPlanConfig
+from hf_zero3.compile.planner import (GATHER, GraphProfile, PlanError, PrefetchPlan, check_floor, plan_persistence,
+                                      plan_prefetch)
+from hf_zero3.compile.profile import agree_profile, profile_complete, profile_from_deepcompile
+
+__all__ = ["PASS_NAME", "MemoryPlanPass", "memory_plan_schedule", "apply_memory_plan", "compile_with_memory_plan",
+           "pass_contract"]
+
+log = logging.getLogger("hf_zero3.memory_plan")
+PASS_NAME = "hf_zero3_memory_plan"
+ZERO3_PASS = "zero3_compile"
+
+
+def pass_contract():
+    from deepspeed.compile.passes.contract import CAP_Z3_GATHER_RELEASE, PassContract
+
+    # Reorders zero3_compile's all-gathers and sets persistence, as prefetch + selective_gather do.
+    return PassContract(requires=frozenset({CAP_Z3_GATHER_RELEASE}), conflicts_with=frozenset({"prefetch",
+                                                                                             "selective_gather"}))
+
+
+def memory_plan_schedule(config: MemoryPlanConfig) -> list:
+    """DeepCompile schedule: the plan at ``plan_step`` (0: the only compile)."""
+    if config.plan_step == 0:
+        return [(0, [ZERO3_PASS, PASS_NAME])]
+    return [(0, [ZERO3_PASS]), (config.plan_step, [ZERO3_PASS, PASS_NAME])]
+
+
+@dataclass
+class PlanRecord:
+    profile: GraphProfile
+    plan: PrefetchPlan
+    budget: MemoryBudget
+
+
+@dataclass
+class MemoryPlanPass:
+    """The pass DeepCompile calls once per graph; holds this compile cycle's plans for reports."""
+
+    config: MemoryPlanConfig
+    engine: object = None
+    records: dict = field(default_factory=dict)
+    persistent: tuple = ()
+    persistent_bytes: int = 0
+    error: Exception | None = None
+
+    def budget(self, group) -> MemoryBudget:
+        from hf_zero3.compile.gate import memory_state
+        from hf_zero3.zero3 import pending_optimizer_bytes
+
+        reserved = pending_optimizer_bytes(self.engine) if self.engine is not None else 0
+        return agree_budget(compute_budget(self.config, memory_state(), reserved), group)
+
+    def __call__(self, gm, graph_id, graph_order, profiling_results, create_inputs_fn, mem_budget, param_manager,
+                 bwd):
+        # Dynamo turns a backend exception into a graph break (and a confusing failure later), so
+        # a plan error leaves this graph unplanned and is raised by the engine's next forward.
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        try:
+            with unset_fake_temporarily():  # the agreements below are real collectives
+                return self._plan(gm, graph_id, graph_order, profiling_results, bwd)
+        except Exception as exc:  # noqa: BLE001 - re-raised from the next forward
+            log.error("hf_zero3 memory plan failed: %s", exc)
+            self.error = self.error or exc
+            return None
+
+    def _plan(self, gm, graph_id, graph_order, profiling_results, bwd):
+        prof = profiling_results[graph_id]
+        group = getattr(prof, "process_group", None)
+        if not profile_complete(prof, bwd):  # DeepCompile agrees completeness across ranks
+            log.warning("hf_zero3 memory plan: graph %s (%s) has an incomplete profile; left unplanned",
+                        graph_id, "bwd" if bwd else "fwd")
+            return None
+        graph = prof.bwd_graph if bwd else prof.fwd_graph
+        profile = agree_profile(profile_from_deepcompile(graph, prof, graph_id, bwd), group)
+        budget = self.budget(group)
+        check_floor(profile, budget.limit - budget.safety, budget.reserved)  # raises: no schedule fits
+        plan_budget = budget.budget if self.config.mode == "budget" else min(budget.budget, profile.peak)
+        plan = plan_prefetch(profile, plan_budget, max_fuse_bytes=self.config.max_fuse_bytes)
+        from hf_zero3.agree import all_equal
+
+        if not all_equal([plan.fingerprint(), len(plan.slots)], group):
+            raise PlanError(f"hf_zero3 memory plan: ranks built different plans for graph {graph_id} from agreed "
+                            f"inputs; refusing to run (the all-gathers would be reordered). Please report this.")
+        _rewrite(gm, profile, plan, graph_id, budget.gate_budget, gate=self.config.gate, group=group)
+        self.records[(graph_id, bwd)] = PlanRecord(profile, plan, budget)
+        _dump(profile, plan, budget)
+        log.info("hf_zero3 memory plan graph %s %s: %s; %d of %d gathers prefetched in %d slots, projected peak "
+                 "%.2f GiB", graph_id, "bwd" if bwd else "fwd", budget.describe(), plan.prefetched,
+                 len(profile.gathers()), len(plan.slots), plan.peak / 2**30)
+        if bwd and self.config.persist and self.config.mode == "budget" and _is_last_backward(graph_id, graph_order):
+            self._persist(profiling_results, group, budget)
+        return gm
+
+    def _persist(self, profiling_results, group, budget: MemoryBudget) -> None:
+        from hf_zero3.agree import all_equal, all_max
+        from hf_zero3.zero3 import deepcompile_handle
+
+        peaks = [r.plan.peak for r in self.records.values()]
+        for pr in profiling_results.values():  # graphs re-profiled after their plan
+            peaks += [m[3] for m in (pr.fwd_mem or [])] + [m[3] for m in (pr.bwd_mem or [])]
+        from hf_zero3.compile.gate import memory_state
+
+        now = memory_state()
+        peak = all_max([max(peaks, default=0), now.allocated + now.non_pytorch], group)  # profile units
+        time_of, size_of = {}, {}
+        for rec in self.records.values():
+            for nd in rec.profile.nodes:
+                if nd.kind == GATHER:
+                    time_of[nd.ds_id] = time_of.get(nd.ds_id, 0.0) + nd.time
+                    size_of[nd.ds_id] = nd.nbytes
+        chosen = plan_persistence([(d, size_of[d], time_of[d]) for d in sorted(size_of)], max(peak), budget.budget)
+        if not all_equal([len(chosen), hash(chosen) & 0x7FFFFFFFFFFFFFFF], group):
+            raise PlanError("hf_zero3 memory plan: ranks chose different persistent parameters; refusing to run")
+        dc = deepcompile_handle()
+        for ds_id in chosen:
+            dc.set_persistent(ds_id)
+        self.persistent = chosen
+        self.persistent_bytes = sum(size_of[d] for d in chosen)
+        log.info("hf_zero3 memory plan: %d parameters persistent (%.2f GiB)", len(chosen),
+                 self.persistent_bytes / 2**30)
+
+    def summary(self) -> dict:
+        return {
+            "graphs": len(self.records),
+            "prefetched": sum(r.plan.prefetched for r in self.records.values()),
+            "gathers": sum(len(r.profile.gathers()) for r in self.records.values()),
+            "slots": sum(len(r.plan.slots) for r in self.records.values()),
+            "projected_peak": max((r.plan.peak for r in self.records.values()), default=0),
+            "budget": min((r.budget.budget for r in self.records.values()), default=0),
+            "persistent": len(self.persistent),
+            "persistent_bytes": self.persistent_bytes,
+        }
+
+
+def _dump(profile: GraphProfile, plan: PrefetchPlan, budget: MemoryBudget) -> None:
+    """With HF_ZERO3_PLAN_DUMP=<dir>, rank 0 writes each agreed profile and its plan as JSON."""
+    import json
+    import os
+
+    out = os.environ.get("HF_ZERO3_PLAN_DUMP")
+    if not out or (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0):
+        return
+    os.makedirs(out, exist_ok=True)
+    name = f"graph{len(os.listdir(out)):02d}_{'bwd' if profile.bwd else 'fwd'}.json"
+    with open(os.path.join(out, name), "w") as f:
+        json.dump({"profile": profile.to_json(), "budget": budget.__dict__, "plan": {
+            "budget": plan.budget, "prefetched": plan.prefetched, "peak": plan.peak,
+            "slots": [[s.index, list(s.ds_ids), s.nbytes, s.window_peak] for s in plan.slots]}}, f)
+
+
+def _is_last_backward(graph_id, graph_order) -> bool:
+    # Backward runs graphs in reverse: the first forward graph needing backward is the last one.
+    for g, needs_bwd in graph_order:
+        if needs_bwd:
+            return g == graph_id
+    return False
+
+
+def _rewrite(gm, profile: GraphProfile, plan: PrefetchPlan, graph_id: int, gate_budget: int, *, gate: bool,
+             group=None) -> None:
+    """Insert the launch agreement and the gated prefetches before their planned nodes."""
+    if not plan.slots:
+        return
+    from hf_zero3.compile import gate as gate_mod
+
+    nodes = list(gm.graph.nodes)
+    if len(nodes) != len(profile.nodes) or any(n.name != p.name for n, p in zip(nodes, profile.nodes)):
+        raise PlanError(f"graph {graph_id} changed between profiling and planning; cannot place prefetches")
+    launch = None
+    if gate:
+        gate_mod.register_ops()
+        gate_mod.set_launch_group(graph_id, group)
+        first = plan.slots[0]
+        anchor = nodes[first.gather_nodes[0]].args[0]
+        with gm.graph.inserting_before(nodes[first.index]):
+            launch = gm.graph.call_function(torch.ops.hf_zero3.agree_launch.default,
+                                            (anchor, graph_id, profile.nodes[first.index - 1].alloc, gate_budget))
+        _profile_meta(launch)
+    for slot in plan.slots:
+        params = [nodes[u].args[0] for u in slot.gather_nodes]
+        with gm.graph.inserting_before(nodes[slot.index]):
+            if gate:
+                new = gm.graph.call_function(torch.ops.hf_zero3.gated_prefetch.default,
+                                             (graph_id, params, list(slot.ds_ids), slot.nbytes, slot.window_peak,
+                                              launch))
+            else:
+                new = gm.graph.call_function(torch.ops.dc.prefetch_params_fused.default,
+                                             (graph_id, params, list(slot.ds_ids)))
+        _profile_meta(new)
+    gm.graph.lint()
+
+
+def _profile_meta(node) -> None:
+    # DeepCompile's profiler treats nodes without its metadata keys as unprofiled.
+    for key, default in (("device_time", 0.0), ("wall_time", 0.0), ("tensor_size", 0), ("alloc_mem", 0),
+                         ("max_mem", 0), ("profile_mem_start", 0), ("profile_mem_peak", 0)):
+        node.meta.setdefault(key, default)
+
+
+def apply_memory_plan(engine, config: MemoryPlanConfig | None = None) -> tuple[MemoryPlanPass, list]:
+    """Register the memory-plan pass on ``engine``; returns (pass, schedule for engine.compile)."""
+    from hf_zero3.zero3 import deepcompile_supported
+
+    config = config or MemoryPlanConfig.from_ds_config(getattr(engine, "config", None))
+    ok, why = deepcompile_supported()
+    if not ok:
+        raise ConfigError(f"hf_zero3 memory plan needs DeepCompile, which is unavailable: {why}")
+    if not engine.is_deepcompile_enabled():
+        raise ConfigError('the DeepSpeed config does not enable DeepCompile; add "compile": {"deepcompile": true}')
+    if engine.zero_optimization_stage() != 3:
+        raise ConfigError(f"the memory plan schedules ZeRO-3 all-gathers; this engine runs ZeRO stage "
+                          f"{engine.zero_optimization_stage()} (set zero_optimization.stage to 3)")
+    planner = MemoryPlanPass(config, engine)
+    engine.register_compile_pass(PASS_NAME, planner, pass_contract())
+    from hf_zero3.compile.gate import register_ops
+
+    register_ops()
+    engine._hf_zero3_memory_plan = planner
+    _raise_plan_errors_from_forward(engine)
+    return planner, memory_plan_schedule(config)
+
+
+def _raise_plan_errors_from_forward(engine) -> None:
+    if getattr(engine, "_hf_zero3_forward_checked", False):
+        return
+    forward = engine.forward
+
+    def checked_forward(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        planner = getattr(engine, "_hf_zero3_memory_plan", None)
+        if planner is not None and planner.error is not None:
+            raise planner.error
+        return out
+
+    engine.forward = checked_forward
+    engine._hf_zero3_forward_checked = True
+
+
+def compile_with_memory_plan(engine, config: MemoryPlanConfig | None = None, backend: str | None = None,
+                             compile_kwargs: dict | None = None) -> MemoryPlanPass:
+    """Register the pass and compile ``engine`` with its schedule. On an engine someone already
+    compiled (accelerate) but that has not run a compiled step, the schedule is swapped in."""
+    from hf_zero3.zero3 import replace_pending_schedule
+
+    planner, schedule = apply_memory_plan(engine, config)
+    if getattr(engine, "is_compiled", False):
+        if not replace_pending_schedule(engine, schedule):
+            raise ConfigError("the engine was compiled and has already run compiled steps with another schedule; "
+                              "apply the memory plan before the first training step")
+    else:
+        engine.compile(backend=backend or planner.config.compile_backend, compile_kwargs=compile_kwargs or {},
+                       schedule=schedule)
+    return planner

@@ -1,0 +1,94 @@
+"""Rank-side code for the memory-plan GPU tests (NCCL, one GPU a rank): the 4-layer Llama of
+_deepcompile_workers, bf16, ZeRO-3 default settings, DeepCompile."""
+
+from __future__ import annotations
+
+import torch
+
+from _deepcompile_workers import batch, dc_config, llama_cfg
+
+
+def _engine(setting: str, plan_kwargs: dict | None = None):
+    import deepspeed
+    import torch.distributed as dist
+
+    from hf_zero3.testing import models
+
+    torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+    models.ensure_deepspeed_comm()
+    ds = dc_config(dist.get_world_size())
+    ds["optimizer"]["params"]["torch_adam"] = True
+    model = models.zero3_model(llama_cfg(), ds, seed=0, dtype=torch.bfloat16)
+    engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
+    planner = None
+    if setting == "zero3_only":
+        engine.compile(schedule=[(0, ["zero3_compile"])])
+    else:
+        from hf_zero3.compile import MemoryPlanConfig
+        from hf_zero3.compile.memory_plan import compile_with_memory_plan
+
+        planner = compile_with_memory_plan(engine, MemoryPlanConfig(**(plan_kwargs or {})))
+    return engine, planner
+
+
+def _step(engine, s):
+    import torch.distributed as dist
+
+    ids = batch(s, dist.get_rank(), engine.device)
+    loss = engine(input_ids=ids, labels=ids).loss
+    engine.backward(loss)
+    engine.step()
+    return float(loss.item())
+
+
+def train(setting: str, steps: int = 6, plan_kwargs: dict | None = None, squeeze_after: int | None = None,
+          squeeze_rank: int = 0, squeeze_gib: float = 0.0):
+    """Train ``steps`` steps; from step ``squeeze_after`` on, rank ``squeeze_rank`` alone holds an
+    extra ``squeeze_gib`` GiB, so its headroom differs from its peers'."""
+    import torch.distributed as dist
+
+    from hf_zero3.compile.gate import counters, reset_counters
+    from hf_zero3.testing import mark
+
+    reset_counters()
+    engine, planner = _engine(setting, plan_kwargs)
+    losses, snapshots, ballast = [], [], None
+    for s in range(steps):
+        if squeeze_after is not None and s == squeeze_after and dist.get_rank() == squeeze_rank:
+            ballast = torch.empty(int(squeeze_gib * 2**30), dtype=torch.uint8, device="cuda")
+        mark(f"{setting} step {s}")
+        losses.append(_step(engine, s))
+        snapshots.append(counters())
+    del ballast
+    return dict(losses=losses, counters=snapshots, plan=planner.summary() if planner else None,
+                rank=dist.get_rank())
+
+
+def accelerate_plugin(steps: int = 3):
+    """accelerate as under the DeepSpeed launcher: no dynamo backend, our plugin, "auto" values."""
+    import torch.distributed as dist
+    from accelerate import Accelerator
+    from accelerate.utils import DummyOptim
+
+    from hf_zero3 import Zero3DeepSpeedPlugin
+    from hf_zero3.testing import models
+
+    torch.cuda.set_device(dist.get_rank())
+    ds = dc_config(dist.get_world_size())
+    ds["optimizer"]["params"]["torch_adam"] = True
+    ds["hf_zero3"] = {"memory_plan": {"mode": "auto", "max_memory": "auto", "gate": True}}
+    plugin = Zero3DeepSpeedPlugin(hf_ds_config=ds)
+    accelerator = Accelerator(deepspeed_plugin=plugin, mixed_precision="bf16")
+    cls = models.model_class_for(llama_cfg())
+    torch.manual_seed(0)
+    model = cls._from_config(llama_cfg(), dtype=torch.bfloat16)
+    engine, _ = accelerator.prepare(model, DummyOptim(model.parameters()))
+    losses = []
+    for s in range(steps):
+        ids = batch(s, dist.get_rank(), accelerator.device)
+        loss = engine(input_ids=ids, labels=ids).loss
+        accelerator.backward(loss)  # accelerate's DeepSpeed wrapper also steps the engine
+        losses.append(float(loss.item()))
+    planner = getattr(engine, "_hf_zero3_memory_plan", None)
+    return dict(compiled=bool(engine.is_compiled), losses=losses,
+                plan=planner.summary() if planner else None)
