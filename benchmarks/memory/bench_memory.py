@@ -1,0 +1,207 @@
+"""DeepCompile memory: plain ZeRO-3 vs DeepCompile (zero3 pass only, DeepSpeed's default schedule)
+vs hf_zero3's memory plan (budget, match_zero3), uncapped and capped per process.
+
+Model: the issue's Llama-3.2-1B shape built in code (16 layers, hidden 2048, intermediate 8192,
+32 heads / 8 KV, vocab 128256, tied embeddings), batch 1 x 512 tokens, HF activation
+checkpointing, bf16, AdamW (torch), ZeRO-3 with DeepSpeed's default settings, one GPU per rank.
+Per step: torch.cuda.max_memory_allocated / max_memory_reserved (peak reset each step), wall
+time. Compile time: the extra time of the steps that compile (steps above 3x the median).
+
+Run (GPU):  python benchmarks/memory/bench_memory.py [--cap GIB ...] [--settings a,b] [--steps N]
+Each (setting, cap) runs in fresh processes; rows accumulate in memory.json beside this file.
+BENCH_LAYERS=4 shrinks the model for a smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+from common import save, table, world_and_backend  # noqa: E402
+
+SETTINGS = ("plain", "dc_default", "ours", "ours_match")  # dc_default also yields the zero3-only row
+LABEL = {"plain": "plain ZeRO-3 (eager)", "dc_zero3": "DeepCompile zero3 pass only",
+         "dc_default": "DeepCompile default schedule", "ours": "hf_zero3 plan (budget)",
+         "ours_match": "hf_zero3 plan (match_zero3)"}
+SEQ = 512
+
+
+def model_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                       num_hidden_layers=int(os.environ.get("BENCH_LAYERS", 16)), num_attention_heads=32,
+                       num_key_value_heads=8, max_position_embeddings=2048, tie_word_embeddings=True,
+                       attn_implementation="sdpa", pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def rank_main(setting: str, cap_gib: float, steps: int, progress: str):
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    from hf_zero3.testing import mark, models
+
+    rank = dist.get_rank()
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    if cap_gib:
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        torch.cuda.set_per_process_memory_fraction(cap_gib * 2**30 / total)
+    models.ensure_deepspeed_comm()
+    ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+          "train_batch_size": dist.get_world_size(), "bf16": {"enabled": True},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "torch_adam": True}},
+          "zero_optimization": {"stage": 3}, "steps_per_print": 10**9}
+    if setting != "plain":
+        ds["compile"] = {"deepcompile": True}
+    mark("build")
+    model = models.zero3_model(model_config(), ds, seed=0, dtype=torch.bfloat16)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
+    planner = None
+    if setting == "dc_zero3":
+        engine.compile(schedule=[(0, ["zero3_compile"])])
+    elif setting == "dc_default":
+        engine.compile()
+    elif setting in ("ours", "ours_match"):
+        from hf_zero3.compile import MemoryPlanConfig
+        from hf_zero3.compile.gate import reset_counters
+        from hf_zero3.compile.memory_plan import compile_with_memory_plan
+
+        reset_counters()
+        planner = compile_with_memory_plan(
+            engine, MemoryPlanConfig(mode="budget" if setting == "ours" else "match_zero3"))
+    rec = {"setting": setting, "cap_gib": cap_gib, "steps": [], "error": None}
+    path = os.path.join(progress, f"{setting}_{cap_gib}_rank{rank}.json")
+
+    def flush():
+        with open(path, "w") as f:
+            json.dump(rec, f)
+
+    vocab = model.config.vocab_size
+    for step in range(steps):
+        mark(f"step {step}")
+        g = torch.Generator().manual_seed(step * 100 + rank)
+        ids = torch.randint(3, vocab, (1, SEQ), generator=g).cuda()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        t = time.perf_counter()
+        try:
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            torch.cuda.synchronize()
+        except torch.OutOfMemoryError as exc:
+            rec["error"] = f"OOM at step {step}: {str(exc).splitlines()[0]}"
+            flush()
+            os._exit(3)  # peers fail in their next collective; the parent reads this file
+        rec["steps"].append({"t": time.perf_counter() - t, "loss": float(loss.item()),
+                             "alloc": torch.cuda.max_memory_allocated(),
+                             "reserved": torch.cuda.max_memory_reserved()})
+        flush()
+    if planner is not None:
+        from hf_zero3.compile.gate import counters
+
+        rec["gate"] = counters()
+        rec["plan"] = planner.summary()
+    flush()
+    return rec
+
+
+def summarize(rec: dict, status: str) -> list[dict]:
+    """One row; DeepSpeed's default-schedule run gives two: its steps 1-4 run the zero3 pass only
+    (the schedule adds prefetch + selective_gather at step 5), its steps 6+ the full schedule."""
+    steps = rec.get("steps", [])
+    if rec["setting"] == "dc_default":
+        zero3 = dict(rec, setting="dc_zero3", steps=steps[:5], gate=None, plan=None)
+        full = dict(rec, steps=steps[5:], compile_first=steps[:1])
+        return [_row(zero3, "trained" if len(steps) >= 5 else status, tail_from=1), _row(full, status, tail_from=1)]
+    return [_row(rec, status)]
+
+
+def _row(rec: dict, status: str, tail_from: int | None = None) -> list[dict]:
+    steps = rec.get("steps", [])
+    row = {"setting": LABEL[rec["setting"]], "cap_gib": rec["cap_gib"] or "none", "status": status,
+           "steps_done": len(steps)}
+    if steps:
+        tail = steps[tail_from:] if tail_from is not None and len(steps) > tail_from else steps[len(steps) // 2:]
+        med = statistics.median(s["t"] for s in tail)
+        row.update(peak_alloc_gib=max(s["alloc"] for s in steps) / 2**30,
+                   peak_reserved_gib=max(s["reserved"] for s in steps) / 2**30,
+                   median_step_s=med,
+                   compile_s=sum(s["t"] - med for s in steps + rec.get("compile_first", []) if s["t"] > 3 * med),
+                   final_loss=steps[-1]["loss"])
+    gate = rec.get("gate")
+    if gate:
+        row.update(prefetch_issued=gate["issued"], prefetch_deferred=gate["deferred"])
+    plan = rec.get("plan")
+    if plan:
+        row.update(planned=f"{plan['prefetched']}/{plan['gathers']}", persistent=plan["persistent"],
+                   budget_gib=plan["budget"] / 2**30)
+    return row
+
+
+def main():
+    from hf_zero3.testing import DistributedFailure, run_ranks
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cap", type=float, nargs="*", default=[0.0, 16.0], help="GiB per process, 0 = uncapped")
+    ap.add_argument("--settings", default=",".join(SETTINGS))
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--timeout", type=float, default=420, help="seconds per (setting, cap) run")
+    args = ap.parse_args()
+    world, backend = world_and_backend()
+    if backend != "nccl":
+        print("bench_memory needs CUDA GPUs (DeepCompile is CUDA-only); skipped")
+        return
+    progress = os.path.join(os.environ.get("OUT", HERE), "memory_progress")
+    os.makedirs(progress, exist_ok=True)
+    name = "memory" + os.environ.get("BENCH_TAG", "")  # concurrent sweeps write apart
+    raw_path = os.path.join(HERE, f"{name}.json")
+    previous = json.load(open(raw_path)).get("rows", []) if os.path.exists(raw_path) else []
+    rows = []
+    for cap in args.cap:
+        for setting in args.settings.split(","):
+            t0 = time.time()
+            status = "trained"
+            try:
+                run_ranks(rank_main, world, args=(setting, cap, args.steps, progress), backend=backend,
+                          init="deepspeed", timeout=args.timeout, pg_timeout=60)
+            except DistributedFailure as exc:
+                status = "failed"
+                print(str(exc)[-3000:], flush=True)
+            rec_path = os.path.join(progress, f"{setting}_{cap}_rank0.json")
+            rec = json.load(open(rec_path)) if os.path.exists(rec_path) else {"setting": setting, "cap_gib": cap}
+            if rec.get("error"):
+                status = rec["error"]
+            for row in summarize(rec, status):
+                row["wall_s"] = time.time() - t0
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    plain = {r["cap_gib"]: r for r in rows + previous if r["setting"] == LABEL["plain"] and "median_step_s" in r}
+    default = {r["cap_gib"]: r for r in rows + previous
+               if r["setting"] == LABEL["dc_default"] and "median_step_s" in r}
+    for r in rows:
+        if "median_step_s" in r:
+            if r["cap_gib"] in plain:
+                r["speed_vs_plain"] = plain[r["cap_gib"]]["median_step_s"] / r["median_step_s"]
+                r["peak_vs_plain"] = r["peak_alloc_gib"] / plain[r["cap_gib"]]["peak_alloc_gib"]
+            if r["cap_gib"] in default:
+                r["speed_vs_default"] = default[r["cap_gib"]]["median_step_s"] / r["median_step_s"]
+    keep = [p for p in previous if (p["setting"], p["cap_gib"]) not in {(r["setting"], r["cap_gib"]) for r in rows}]
+    path = save(name, {"setup": {"world": world, "seq": SEQ, "layers": model_config().num_hidden_layers,
+                                     "steps": args.steps}, "rows": keep + rows}, HERE)
+    print(table(rows, ["setting", "cap_gib", "status", "peak_alloc_gib", "peak_reserved_gib", "median_step_s",
+                       "compile_s", "prefetch_deferred", "planned", "persistent", "speed_vs_plain",
+                       "speed_vs_default", "peak_vs_plain"]))
+    print(f"raw numbers: {path}")
+
+
+if __name__ == "__main__":
+    main()
