@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -64,17 +65,25 @@ class MemoryPlanPass:
 
     config: MemoryPlanConfig
     engine: object = None
+    # Seams for CPU tests, which drive the pass on recorded graphs without CUDA or DeepCompile:
+    ops: dict | None = None  # FX target -> node kind (default: DeepCompile's dc ops)
+    read_memory: Callable | None = None  # () -> MemoryState (default: this CUDA device)
+    persist_fn: Callable | None = None  # ds_id -> None (default: DeepCompile's set_persistent)
     records: dict = field(default_factory=dict)
     persistent: tuple = ()
     persistent_bytes: int = 0
     error: Exception | None = None
 
-    def budget(self, group) -> MemoryBudget:
+    def memory(self):
         from hf_zero3.compile.gate import memory_state
+
+        return (self.read_memory or memory_state)()
+
+    def budget(self, group) -> MemoryBudget:
         from hf_zero3.zero3 import pending_optimizer_bytes
 
         reserved = pending_optimizer_bytes(self.engine) if self.engine is not None else 0
-        return agree_budget(compute_budget(self.config, memory_state(), reserved), group)
+        return agree_budget(compute_budget(self.config, self.memory(), reserved), group)
 
     def __call__(self, gm, graph_id, graph_order, profiling_results, create_inputs_fn, mem_budget, param_manager,
                  bwd):
@@ -98,7 +107,7 @@ class MemoryPlanPass:
                         graph_id, "bwd" if bwd else "fwd")
             return None
         graph = prof.bwd_graph if bwd else prof.fwd_graph
-        profile = agree_profile(profile_from_deepcompile(graph, prof, graph_id, bwd), group)
+        profile = agree_profile(profile_from_deepcompile(graph, prof, graph_id, bwd, ops=self.ops), group)
         budget = self.budget(group)
         check_floor(profile, budget.limit - budget.safety, budget.reserved)  # raises: no schedule fits
         plan_budget = budget.budget if self.config.mode == "budget" else min(budget.budget, profile.peak)
@@ -125,9 +134,7 @@ class MemoryPlanPass:
         peaks = [r.plan.peak for r in self.records.values()]
         for pr in profiling_results.values():  # graphs re-profiled after their plan
             peaks += [m[3] for m in (pr.fwd_mem or [])] + [m[3] for m in (pr.bwd_mem or [])]
-        from hf_zero3.compile.gate import memory_state
-
-        now = memory_state()
+        now = self.memory()
         peak = all_max([max(peaks, default=0), now.allocated + now.non_pytorch], group)  # profile units
         time_of, size_of = {}, {}
         for rec in self.records.values():
@@ -138,9 +145,9 @@ class MemoryPlanPass:
         chosen = plan_persistence([(d, size_of[d], time_of[d]) for d in sorted(size_of)], max(peak), budget.budget)
         if not all_equal([len(chosen), hash(chosen) & 0x7FFFFFFFFFFFFFFF], group):
             raise PlanError("hf_zero3 memory plan: ranks chose different persistent parameters; refusing to run")
-        dc = deepcompile_handle()
+        persist = self.persist_fn or deepcompile_handle().set_persistent
         for ds_id in chosen:
-            dc.set_persistent(ds_id)
+            persist(ds_id)
         self.persistent = chosen
         self.persistent_bytes = sum(size_of[d] for d in chosen)
         log.info("hf_zero3 memory plan: %d parameters persistent (%.2f GiB)", len(chosen),
