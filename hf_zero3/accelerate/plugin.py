@@ -4,7 +4,7 @@ accelerate (1.15, since huggingface/accelerate#3069) calls ``engine.compile(back
 compile_kwargs)`` after ``deepspeed.initialize`` with no ``schedule``, skips the call entirely
 under the DeepSpeed launcher (which exports none of the YAML's ``dynamo_config``), and raises on
 any ``"auto"`` leaf of the DeepSpeed config it does not fill itself. :func:`enable_memory_plan`
-handles all three, once per process:
+handles all three, once per process, through the two patches in :mod:`hf_zero3._compat`:
 
 * ``Accelerator._prepare_deepspeed`` is wrapped: before it runs, the ``hf_zero3.memory_plan``
   section is validated and its ``"auto"`` values resolved (so accelerate never sees them); after
@@ -18,8 +18,6 @@ deepspeed_plugin=Zero3DeepSpeedPlugin(...))``), and ``Zero3Safe`` enables it for
 
 from __future__ import annotations
 
-import functools
-import inspect
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -46,27 +44,19 @@ def resolve_memory_plan_section(ds_config: dict, override: MemoryPlanConfig | No
     return config
 
 
-def _wrap_engine_compile() -> None:
-    from deepspeed.runtime.engine import DeepSpeedEngine
+def _default_schedule(engine):
+    """The memory plan's schedule for a ZeRO-3 DeepCompile engine that asks for it, else None."""
+    if not (engine.is_deepcompile_enabled() and engine.zero_optimization_stage() == 3):
+        return None
+    config = getattr(engine, "_hf_zero3_memory_plan_config", None) or MemoryPlanConfig.from_ds_config(
+        _raw_config(engine))
+    if not config.enabled:
+        return None
+    from hf_zero3.compile.memory_plan import apply_memory_plan
 
-    original = DeepSpeedEngine.compile
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def compile(self, *args, **kwargs):
-        bound = signature.bind(self, *args, **kwargs)
-        if bound.arguments.get("schedule") is None and _wants_plan(self):
-            from hf_zero3.compile.memory_plan import apply_memory_plan
-
-            config = getattr(self, "_hf_zero3_memory_plan_config", None) or MemoryPlanConfig.from_ds_config(
-                _raw_config(self))
-            _, bound.arguments["schedule"] = apply_memory_plan(self, config)
-            log.info("hf_zero3: DeepCompile schedule %s", bound.arguments["schedule"])
-        return original(*bound.args, **bound.kwargs)
-
-    compile._hf_zero3_original = original
-    DeepSpeedEngine.compile = compile
-    _INSTALLED["compile"] = original
+    _, schedule = apply_memory_plan(engine, config)
+    log.info("hf_zero3: DeepCompile schedule %s", schedule)
+    return schedule
 
 
 def _raw_config(engine) -> dict:
@@ -74,51 +64,31 @@ def _raw_config(engine) -> dict:
     return cfg if isinstance(cfg, dict) else {}
 
 
-def _wants_plan(engine) -> bool:
-    if not (engine.is_deepcompile_enabled() and engine.zero_optimization_stage() == 3):
-        return False
-    config = getattr(engine, "_hf_zero3_memory_plan_config", None) or MemoryPlanConfig.from_ds_config(
-        _raw_config(engine))
-    return config.enabled
+def _before_prepare(accelerator) -> MemoryPlanConfig:
+    plugin = accelerator.state.deepspeed_plugin
+    return resolve_memory_plan_section(plugin.deepspeed_config, getattr(plugin, "_hf_zero3_config", None))
 
 
-def _wrap_prepare_deepspeed() -> None:
-    from accelerate import Accelerator
-
-    original = Accelerator._prepare_deepspeed
-
-    @functools.wraps(original)
-    def _prepare_deepspeed(self, *args, **kwargs):
-        plugin = self.state.deepspeed_plugin
-        ds_config = plugin.deepspeed_config
-        override = getattr(plugin, "_hf_zero3_config", None)
-        config = resolve_memory_plan_section(ds_config, override)
-        result = original(self, *args, **kwargs)
-        wrapped = getattr(self, "deepspeed_engine_wrapped", None)
-        engine = getattr(wrapped, "engine", None)
-        if engine is not None:
-            engine._hf_zero3_memory_plan_config = config
-            if (config.enabled and engine.is_deepcompile_enabled() and not getattr(engine, "is_compiled", False)
-                    and engine.zero_optimization_stage() == 3):
-                # The DeepSpeed launcher drops the YAML's dynamo settings, so accelerate compiled nothing.
-                log.info("hf_zero3: compiling the DeepCompile engine accelerate left uncompiled (backend=%s)",
-                         config.compile_backend)
-                engine.compile(backend=config.compile_backend)
-        return result
-
-    _prepare_deepspeed._hf_zero3_original = original
-    Accelerator._prepare_deepspeed = _prepare_deepspeed
-    _INSTALLED["prepare"] = original
+def _after_prepare(accelerator, engine, config: MemoryPlanConfig) -> None:
+    engine._hf_zero3_memory_plan_config = config
+    if (config.enabled and engine.is_deepcompile_enabled() and not getattr(engine, "is_compiled", False)
+            and engine.zero_optimization_stage() == 3):
+        # The DeepSpeed launcher drops the YAML's dynamo settings, so accelerate compiled nothing.
+        log.info("hf_zero3: compiling the DeepCompile engine accelerate left uncompiled (backend=%s)",
+                 config.compile_backend)
+        engine.compile(backend=config.compile_backend)
 
 
 def enable_memory_plan() -> None:
     """Install the two wrappers (idempotent, process-wide). The plan itself is then configured per
     run by the DeepSpeed config's ``hf_zero3.memory_plan`` section (or ``HF_ZERO3_*``)."""
+    from hf_zero3 import _compat
+
     with _LOCK:
         if "compile" not in _INSTALLED:
-            _wrap_engine_compile()
+            _INSTALLED["compile"] = _compat.patch_deepspeed_compile_default_schedule(_default_schedule)
         if "prepare" not in _INSTALLED:
-            _wrap_prepare_deepspeed()
+            _INSTALLED["prepare"] = _compat.patch_accelerate_prepare_deepspeed(_before_prepare, _after_prepare)
 
 
 def memory_plan_enabled() -> bool:
@@ -128,14 +98,9 @@ def memory_plan_enabled() -> bool:
 def disable_memory_plan() -> None:
     """Remove the wrappers (tests)."""
     with _LOCK:
-        if "compile" in _INSTALLED:
-            from deepspeed.runtime.engine import DeepSpeedEngine
-
-            DeepSpeedEngine.compile = _INSTALLED.pop("compile")
-        if "prepare" in _INSTALLED:
-            from accelerate import Accelerator
-
-            Accelerator._prepare_deepspeed = _INSTALLED.pop("prepare")
+        for key in ("compile", "prepare"):
+            if key in _INSTALLED:
+                _INSTALLED.pop(key)()
 
 
 @dataclass
