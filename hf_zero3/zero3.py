@@ -246,14 +246,16 @@ def pending_optimizer_bytes(engine) -> int:
 
     A plan made at step 0 (one compile instead of DeepSpeed's two) is profiled before Adam's
     ``exp_avg``/``exp_avg_sq`` exist; they are fp32 and partitioned like the fp32 master weights,
-    so they are reserved from the budget here. 0 once the states exist or when they live on CPU.
+    so they are reserved from the budget here. 0 once the states exist, or when they live off the
+    engine's device (optimizer offload).
     """
     opt = getattr(engine, "optimizer", None)
     inner = getattr(opt, "optimizer", None)
     if inner is None or any(len(s) for s in getattr(inner, "state", {}).values()):
         return 0
     groups = getattr(opt, "fp32_partitioned_groups_flat", None) or []
-    on_device = [t for t in groups if isinstance(t, torch.Tensor) and t.device.type != "cpu"]
+    device = torch.device(getattr(engine, "device", "cpu"))
+    on_device = [t for t in groups if isinstance(t, torch.Tensor) and t.device.type == device.type]
     numel = sum(t.numel() for t in on_device)
     name = type(inner).__name__.lower()
     per_param = 2 if "adam" in name or "lamb" in name else 1

@@ -182,3 +182,28 @@ def test_trainer_with_zero3safe_accepts_the_section(tmp_path):
     for r in run_ranks(_trainer_rank, 2, args=(str(tmp_path),), init="deepspeed", timeout=200, pg_timeout=60):
         assert r["enabled"] and len(r["losses"]) == 2
         assert r["section"]["mode"] == "budget"
+
+
+def _pending_rank():
+    import deepspeed
+    import torch
+
+    from hf_zero3.testing import models, strict_zero3_config
+    from hf_zero3.zero3 import pending_optimizer_bytes
+
+    ds = strict_zero3_config(world_size=2)
+    model = models.zero3_model(models.tiny_llama_config(), ds)
+    engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
+    shard = sum(t.numel() for t in engine.optimizer.fp32_partitioned_groups_flat)
+    before = pending_optimizer_bytes(engine)
+    ids = torch.randint(3, 96, (1, 8))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    return shard, before, pending_optimizer_bytes(engine)
+
+
+def test_step0_plan_reserves_adams_states_until_they_exist():
+    for shard, before, after in run_ranks(_pending_rank, 2, init="deepspeed", timeout=150, pg_timeout=60):
+        assert shard > 0
+        assert before == shard * 4 * 2  # exp_avg + exp_avg_sq, fp32, this rank's shard
+        assert after == 0
