@@ -124,7 +124,11 @@ class MemoryPlanPass:
                  "%.2f GiB", graph_id, "bwd" if bwd else "fwd", budget.describe(), plan.prefetched,
                  len(profile.gathers()), len(plan.slots), plan.peak / 2**30)
         if bwd and self.config.persist and self.config.mode == "budget" and _is_last_backward(graph_id, graph_order):
-            self._persist(profiling_results, group, budget)
+            try:  # gm is rewritten already: hand it back whatever happens here
+                self._persist(profiling_results, group, budget)
+            except Exception as exc:  # noqa: BLE001 - re-raised from the next forward
+                log.error("hf_zero3 memory plan: persistence failed: %s", exc)
+                self.error = self.error or exc
         return gm
 
     def _persist(self, profiling_results, group, budget: MemoryBudget) -> None:
