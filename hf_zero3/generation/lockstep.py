@@ -19,7 +19,7 @@ memory, so no collective runs per token at all.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -84,7 +84,6 @@ class _LoopState:
     budget: int | None = None
     calls: int = 0
     done_at: int | None = None
-    extra: dict = field(default_factory=dict)
 
 
 class Zero3GenerationMixin:

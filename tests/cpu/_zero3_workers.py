@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 
 def build_engine(config_fn_name: str = "tiny_llama_config", *, hf_aware: bool = True, seed: int = 0,
                  world_size: int | None = None, **config_overrides):

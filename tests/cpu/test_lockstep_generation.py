@@ -8,7 +8,7 @@ and counts decode forwards per rank.
 import pytest
 import torch
 
-from hf_zero3.testing import CollectiveSpy, DistributedFailure, mark, run_ranks
+from hf_zero3.testing import CollectiveSpy, mark, run_ranks
 
 
 def _scenarios_two_ranks():

@@ -47,7 +47,7 @@ def _gated_graph_rank(agree: bool, drifts: tuple[int, ...]):
 
     from hf_zero3.compile import gate
     from hf_zero3.compile.memory_plan import _rewrite
-    from hf_zero3.compile.planner import INPUT, plan_prefetch
+    from hf_zero3.compile.planner import plan_prefetch
     from hf_zero3.compile.profile import agree_profile, profile_from_deepcompile
     from hf_zero3.testing import mark, models
     from hf_zero3.testing.fx_profile import STAND_IN_OPS, record_zero3_graph

@@ -10,7 +10,6 @@ from hf_zero3.testing import mark, run_ranks
 
 def _trainer_run(tmpdir):
     import torch.distributed as dist
-    import torch.nn.functional as F
 
     from hf_zero3 import Zero3Safe
     from hf_zero3.gathering import active_plan
@@ -93,7 +92,7 @@ def _seq2seq_generate(tmpdir):
 
     from hf_zero3 import Zero3Safe
     from hf_zero3.testing import models
-    from hf_zero3.testing.trainer_job import TokenDataset, make_trainer
+    from hf_zero3.testing.trainer_job import make_trainer
 
     rank = dist.get_rank()
     trainer = make_trainer(f"{tmpdir}/s2s", callbacks=[Zero3Safe(sync_every=2)], max_steps=2,
