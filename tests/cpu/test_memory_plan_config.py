@@ -207,3 +207,21 @@ def test_step0_plan_reserves_adams_states_until_they_exist():
         assert shard > 0
         assert before == shard * 4 * 2  # exp_avg + exp_avg_sq, fp32, this rank's shard
         assert after == 0
+
+
+def test_budget_fits_the_capped_1b_run_that_failed_on_units():
+    """Regression from the 2xH200 run (benchmarks/RESULTS.md, run A): 16 GiB cap, 2.52 GiB
+    non-PyTorch, 1.06 GiB fragmentation, 4.60 GiB of Adam states still to come, and a backward
+    graph whose profile (allocated + non-PyTorch) peaked at 11.65 GiB. Budgeting the allocator
+    alone gave 10.02 GiB and refused a job plain ZeRO-3 trains; in profile units it fits."""
+    from hf_zero3.compile.planner import GraphProfile, NodeProfile, check_floor
+
+    total = int(139.8 * GiB)
+    nonpt, frag, allocated = int(2.52 * GiB), int(1.06 * GiB), int(9.0 * GiB)
+    state = MemoryState(allocated=allocated, reserved=allocated + frag, free=total - allocated - frag - nonpt,
+                        total=total, fraction=16 * GiB / total)
+    b = compute_budget(MemoryPlanConfig(), state, reserved=int(4.60 * GiB))
+    assert b.budget > int(11.65 * GiB)  # room left for prefetches
+    assert b.gate_budget - b.non_pytorch < 16 * GiB  # at run time, still under the allocator's cap
+    bwd = GraphProfile(1, (NodeProfile("x", "input"), NodeProfile("mm", alloc=int(7.9 * GiB), peak=int(11.65 * GiB))))
+    check_floor(bwd, b.limit - b.safety, b.reserved)  # 7.9 + 4.6 GiB resident fits under the limit
