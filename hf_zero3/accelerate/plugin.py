@@ -46,22 +46,14 @@ def resolve_memory_plan_section(ds_config: dict, override: MemoryPlanConfig | No
 
 def _default_schedule(engine):
     """The memory plan's schedule for a ZeRO-3 DeepCompile engine that asks for it, else None."""
-    if not (engine.is_deepcompile_enabled() and engine.zero_optimization_stage() == 3):
-        return None
-    config = getattr(engine, "_hf_zero3_memory_plan_config", None) or MemoryPlanConfig.from_ds_config(
-        _raw_config(engine))
-    if not config.enabled:
-        return None
-    from hf_zero3.compile.memory_plan import apply_memory_plan
+    from hf_zero3.compile.memory_plan import apply_memory_plan, engine_plan_config, plan_applies
 
+    config = engine_plan_config(engine)
+    if not plan_applies(engine, config):
+        return None
     _, schedule = apply_memory_plan(engine, config)
     log.info("hf_zero3: DeepCompile schedule %s", schedule)
     return schedule
-
-
-def _raw_config(engine) -> dict:
-    cfg = getattr(engine, "config", None)
-    return cfg if isinstance(cfg, dict) else {}
 
 
 def _before_prepare(accelerator) -> MemoryPlanConfig:
@@ -70,9 +62,10 @@ def _before_prepare(accelerator) -> MemoryPlanConfig:
 
 
 def _after_prepare(accelerator, engine, config: MemoryPlanConfig) -> None:
+    from hf_zero3.compile.memory_plan import plan_applies
+
     engine._hf_zero3_memory_plan_config = config
-    if (config.enabled and engine.is_deepcompile_enabled() and not getattr(engine, "is_compiled", False)
-            and engine.zero_optimization_stage() == 3):
+    if plan_applies(engine, config) and not getattr(engine, "is_compiled", False):
         # The DeepSpeed launcher drops the YAML's dynamo settings, so accelerate compiled nothing.
         log.info("hf_zero3: compiling the DeepCompile engine accelerate left uncompiled (backend=%s)",
                  config.compile_backend)

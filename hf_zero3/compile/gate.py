@@ -28,7 +28,7 @@ import torch
 from hf_zero3 import _ext
 
 __all__ = ["decide", "agree_drift", "register_ops", "counters", "reset_counters", "memory_state",
-           "MemoryState", "set_launch_group", "set_issue_fn", "local_drift", "native", "simulate_launch"]
+           "MemoryState", "set_launch_group", "set_issue_fn", "local_drift", "native"]
 
 _LOCK = threading.Lock()
 _LIB = None
@@ -188,11 +188,3 @@ def reset_counters() -> None:
         mod.reset_counters()
     for k in _COUNTERS:
         _COUNTERS[k] = 0
-
-
-def simulate_launch(slots: Sequence[tuple[int, int]], drift: int, budget: int,
-                    decide_fn: Callable[[int, Sequence[int]], bool] = decide) -> list[bool]:
-    """The decisions one launch takes for ``slots`` = [(window_peak, nbytes)], given agreed
-    ``drift`` and ``budget`` (used by tests and the benchmark's report)."""
-    launch = [int(drift), int(budget)]
-    return [bool(decide_fn(wp, launch)) for wp, _ in slots]

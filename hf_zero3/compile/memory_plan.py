@@ -30,7 +30,7 @@ from hf_zero3.compile.planner import (GATHER, GraphProfile, PlanError, PrefetchP
 from hf_zero3.compile.profile import agree_profile, profile_complete, profile_from_deepcompile
 
 __all__ = ["PASS_NAME", "MemoryPlanPass", "memory_plan_schedule", "apply_memory_plan", "compile_with_memory_plan",
-           "pass_contract"]
+           "pass_contract", "engine_plan_config", "plan_applies"]
 
 log = logging.getLogger("hf_zero3.memory_plan")
 PASS_NAME = "hf_zero3_memory_plan"
@@ -230,20 +230,38 @@ def _rewrite(gm, profile: GraphProfile, plan: PrefetchPlan, graph_id: int, gate_
 
 def _profile_meta(node) -> None:
     # DeepCompile's profiler treats nodes without its metadata keys as unprofiled.
-    for key, default in (("device_time", 0.0), ("wall_time", 0.0), ("tensor_size", 0), ("alloc_mem", 0),
-                         ("max_mem", 0), ("profile_mem_start", 0), ("profile_mem_peak", 0)):
+    from hf_zero3.compile.profile import profile_meta_defaults
+
+    for key, default in profile_meta_defaults().items():
         node.meta.setdefault(key, default)
+
+
+def engine_plan_config(engine) -> MemoryPlanConfig:
+    """The settings for ``engine``: what accelerate's prepare resolved, else its DeepSpeed config's
+    ``hf_zero3.memory_plan`` section (and ``HF_ZERO3_*``)."""
+    config = getattr(engine, "_hf_zero3_memory_plan_config", None)
+    if config is None:
+        raw = getattr(engine, "config", None)
+        config = MemoryPlanConfig.from_ds_config(raw if isinstance(raw, dict) else {})
+    return config
+
+
+def plan_applies(engine, config: MemoryPlanConfig) -> bool:
+    """The plan is on and the engine is a ZeRO-3 DeepCompile engine."""
+    from hf_zero3.zero3 import deepcompile_enabled
+
+    return config.enabled and deepcompile_enabled(engine) and engine.zero_optimization_stage() == 3
 
 
 def apply_memory_plan(engine, config: MemoryPlanConfig | None = None) -> tuple[MemoryPlanPass, list]:
     """Register the memory-plan pass on ``engine``; returns (pass, schedule for engine.compile)."""
-    from hf_zero3.zero3 import deepcompile_supported
+    from hf_zero3.zero3 import deepcompile_enabled, deepcompile_supported
 
-    config = config or MemoryPlanConfig.from_ds_config(getattr(engine, "config", None))
+    config = config or engine_plan_config(engine)
     ok, why = deepcompile_supported()
     if not ok:
         raise ConfigError(f"hf_zero3 memory plan needs DeepCompile, which is unavailable: {why}")
-    if not engine.is_deepcompile_enabled():
+    if not deepcompile_enabled(engine):
         raise ConfigError('the DeepSpeed config does not enable DeepCompile; add "compile": {"deepcompile": true}')
     if engine.zero_optimization_stage() != 3:
         raise ConfigError(f"the memory plan schedules ZeRO-3 all-gathers; this engine runs ZeRO stage "

@@ -72,7 +72,7 @@ class GraphProfile:
         return [i for i, n in enumerate(self.nodes) if n.kind == GATHER]
 
     def to_json(self) -> dict:
-        """Plain data (``from_json`` inverts it): recorded DeepCompile profiles are test fixtures."""
+        """Plain data (``from_json`` inverts it); ``HF_ZERO3_PLAN_DUMP`` writes DeepCompile's this way."""
         return {"graph_id": self.graph_id, "bwd": self.bwd,
                 "nodes": [[n.name, n.kind, n.ds_id, n.nbytes, n.time, n.peak, n.alloc] for n in self.nodes]}
 

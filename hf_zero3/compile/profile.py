@@ -17,7 +17,7 @@ from torch.fx import Graph
 from hf_zero3.compile.planner import (COMPUTE, GATHER, INPUT, OUTPUT, RELEASE, WAIT, GraphProfile, NodeProfile,
                                       PlanError)
 
-__all__ = ["node_kind", "profile_from_deepcompile", "agree_profile", "profile_complete"]
+__all__ = ["node_kind", "profile_from_deepcompile", "agree_profile", "profile_complete", "profile_meta_defaults"]
 
 
 def _dc_ops():
@@ -38,6 +38,13 @@ def _ds_id(node, kind) -> int:
     if kind in (GATHER, WAIT, RELEASE) and len(node.args) > 2 and isinstance(node.args[2], int):
         return int(node.args[2])
     return -1
+
+
+def profile_meta_defaults() -> dict:
+    """The per-node metadata keys (with defaults) DeepCompile's profiler expects on every node."""
+    from deepspeed.compile.profilers.graph_profile import _PROFILE_META_DEFAULTS
+
+    return dict(_PROFILE_META_DEFAULTS)
 
 
 def profile_complete(prof, bwd: bool) -> bool:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.fx import GraphModule, Interpreter
+from torch.utils import _pytree as pytree
 
 from hf_zero3.compile.planner import GATHER, RELEASE
 
@@ -64,7 +65,6 @@ def record_zero3_graph(model: torch.nn.Module, input_ids: torch.Tensor, world_si
                        repeats: int = 3) -> RecordedProfile:
     """Trace, insert gathers/releases, and profile ``model(input_ids).logits`` on CPU."""
     from torch.fx.experimental.proxy_tensor import make_fx
-    from torch.utils import _pytree as pytree
 
     params = {n: p.detach() for n, p in model.named_parameters()}
 
@@ -103,11 +103,8 @@ def record_zero3_graph(model: torch.nn.Module, input_ids: torch.Tensor, world_si
     for node in graph.nodes:
         name = node.name
         alloc, peak = prof.mem[name]
-        if node.target is gather:
-            nbytes = prof.sizes[name]
-            t = GATHER_LATENCY + nbytes / GATHER_BANDWIDTH
-        else:
-            nbytes, t = prof.sizes.get(name, 0), times.get(name, 0.0)
+        nbytes = prof.sizes.get(name, 0)  # gathered bytes; 0 for other nodes
+        t = GATHER_LATENCY + nbytes / GATHER_BANDWIDTH if node.target is gather else times.get(name, 0.0)
         rec.fwd_mem.append((name, alloc, 0, peak))
         rec.fwd_time.append((name, t * 1e3, t * 1e3))
         rec.fwd_tensor_sizes.append((name, nbytes))
@@ -144,8 +141,7 @@ class _Profiler(Interpreter):
         elif n.target is release:
             self.gathered.pop(n.args[2], None)
         elif n.op not in ("placeholder", "output"):
-            self.live[n.name] = _nbytes(out) if isinstance(out, torch.Tensor) else sum(
-                _nbytes(x) for x in out if isinstance(x, torch.Tensor)) if isinstance(out, (tuple, list)) else 0
+            self.live[n.name] = sum(_nbytes(x) for x in pytree.tree_leaves(out))
         peak = max(before, self._current())
         i = self.index[n.name]
         for inp in n.all_input_nodes:  # free values whose last use was this node
