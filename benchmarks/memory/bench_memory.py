@@ -125,7 +125,7 @@ def summarize(rec: dict, status: str) -> list[dict]:
     return [_row(rec, status)]
 
 
-def _row(rec: dict, status: str, tail_from: int | None = None) -> list[dict]:
+def _row(rec: dict, status: str, tail_from: int | None = None) -> dict:
     steps = rec.get("steps", [])
     row = {"setting": LABEL[rec["setting"]], "cap_gib": rec["cap_gib"] or "none", "status": status,
            "steps_done": len(steps)}
