@@ -60,8 +60,10 @@ def train(setting: str, steps: int = 6, plan_kwargs: dict | None = None, squeeze
         losses.append(_step(engine, s))
         snapshots.append(counters())
     del ballast
+    from hf_zero3.compile import gate
+
     return dict(losses=losses, counters=snapshots, plan=planner.summary() if planner else None,
-                rank=dist.get_rank())
+                rank=dist.get_rank(), agree_backends=sorted({dist.get_backend(g) for g in gate._GROUPS.values()}))
 
 
 def accelerate_plugin(steps: int = 3):

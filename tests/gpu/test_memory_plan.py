@@ -52,6 +52,8 @@ def test_gate_defers_identically_when_one_rank_is_squeezed(reference):
                squeeze_after=3, squeeze_rank=0, squeeze_gib=9.0)
     c0, c1 = res[0]["counters"], res[1]["counters"]
     assert c0 == c1, "ranks took different gate decisions"
+    # The agreement ran on the host (gloo mirror of the NCCL group), not as a stream-draining NCCL op.
+    assert res[0]["agree_backends"] == ["gloo"], res[0]["agree_backends"]
     assert c0[2]["deferred"] == 0 and c0[-1]["deferred"] > 0, c0
     for a, b in zip(res, reference):
         assert a["losses"] == pytest.approx(b["losses"], rel=1e-2)
