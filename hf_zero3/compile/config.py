@@ -74,6 +74,9 @@ class MemoryPlanConfig:
         "help": "global step whose compile applies the plan; 0 = a single compile, profiled before the "
                 "optimizer's states exist (their size is reserved); DeepSpeed's default uses 5"})
     max_fuse_bytes: int = field(default=1 << 30, metadata={"help": "largest fused prefetch, bytes"})
+    coalesce: bool = field(default=True, metadata={
+        "help": "merge consecutive prefetches into one earlier fused all-gather while the budget holds "
+                "(fewer collective launches per graph)"})
     compile_backend: str = field(default="inductor", metadata={
         "help": "backend for engine.compile when accelerate did not call it (DeepSpeed launcher)"})
 
@@ -81,6 +84,7 @@ class MemoryPlanConfig:
         self.enabled = _bool(self.enabled, "enabled")
         self.persist = _bool(self.persist, "persist")
         self.gate = _bool(self.gate, "gate")
+        self.coalesce = _bool(self.coalesce, "coalesce")
         if self.mode not in MODES:
             raise ConfigError(f"mode={self.mode!r} is not one of {MODES}")
         self.max_memory = parse_bytes(self.max_memory)

@@ -111,7 +111,8 @@ class MemoryPlanPass:
         budget = self.budget(group)
         check_floor(profile, budget.limit - budget.safety, budget.reserved)  # raises: no schedule fits
         plan_budget = budget.budget if self.config.mode == "budget" else min(budget.budget, profile.peak)
-        plan = plan_prefetch(profile, plan_budget, max_fuse_bytes=self.config.max_fuse_bytes)
+        plan = plan_prefetch(profile, plan_budget, max_fuse_bytes=self.config.max_fuse_bytes,
+                             coalesce=self.config.coalesce)
         from hf_zero3.agree import all_equal
 
         if not all_equal([plan.fingerprint(), len(plan.slots)], group):

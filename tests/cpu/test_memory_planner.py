@@ -110,6 +110,28 @@ def test_prefetches_are_real_moves_and_fused_within_cap(recorded):
                        for x in p.nodes[slot.index:u])
 
 
+def test_coalescing_cuts_launches_and_changes_nothing_else(recorded):
+    """Merging slots into earlier ones keeps every prefetched gather and stays under budget (the
+    test above checks that with coalescing on); with room it turns one launch per gather into few."""
+    for p in _profiles(recorded):
+        for b in _budgets(p, 12):
+            split, merged = plan_prefetch(p, b, coalesce=False), plan_prefetch(p, b)
+            assert sorted(u for s in merged.slots for u in s.gather_nodes) == \
+                sorted(u for s in split.slots for u in s.gather_nodes)
+            assert len(merged.slots) <= len(split.slots)
+            for slot in merged.slots:
+                assert slot.nbytes <= 1 << 30
+                for u in slot.gather_nodes:  # never before the previous touch of its parameter
+                    assert all(not (x.ds_id == p.nodes[u].ds_id and x.kind in (GATHER, WAIT, RELEASE))
+                               for x in p.nodes[slot.index:u])
+    p = recorded[0]
+    roomy = p.peak + sum(x.nbytes for x in p.nodes)
+    split, merged = plan_prefetch(p, roomy, coalesce=False), plan_prefetch(p, roomy)
+    assert len(split.slots) >= 10 and len(merged.slots) == 1, (len(split.slots), len(merged.slots))
+    capped = plan_prefetch(p, roomy, max_fuse_bytes=3 * max(x.nbytes for x in p.nodes))
+    assert len(merged.slots) < len(capped.slots) < len(split.slots)
+
+
 def test_excluded_parameters_are_not_prefetched(recorded):
     p = recorded[0]
     ids = {x.ds_id for x in p.nodes if x.kind == GATHER}

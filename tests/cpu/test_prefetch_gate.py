@@ -61,7 +61,7 @@ def _gated_graph_rank(agree: bool, drifts: tuple[int, ...]):
         reference = Interpreter(rec.gm).run(*rec.inputs)
     profile = agree_profile(profile_from_deepcompile(rec.fwd_graph, rec, 0, False, ops=STAND_IN_OPS))
     budget = profile.peak * 2
-    plan = plan_prefetch(profile, budget)
+    plan = plan_prefetch(profile, budget, coalesce=False)  # many slots: many gate decisions to compare
     # Without agreement each rank "agrees" with itself only (a one-rank group per rank).
     solo = [dist.new_group([r]) for r in range(dist.get_world_size())]
     group = None if agree else solo[rank]
