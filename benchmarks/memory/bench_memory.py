@@ -1,5 +1,6 @@
 """DeepCompile memory: plain ZeRO-3 vs DeepCompile (zero3 pass only, DeepSpeed's default schedule)
-vs hf_zero3's memory plan (budget, match_zero3), uncapped and capped per process.
+vs hf_zero3's memory plan (budget, match_zero3; ours_split = budget with coalesce off, to see
+what merging prefetch launches buys), uncapped and capped per process.
 
 Model: the issue's Llama-3.2-1B shape built in code (16 layers, hidden 2048, intermediate 8192,
 32 heads / 8 KV, vocab 128256, tied embeddings), batch 1 x 512 tokens, HF activation
@@ -28,7 +29,7 @@ from common import save, table, world_and_backend  # noqa: E402
 SETTINGS = ("plain", "dc_default", "ours", "ours_match")  # dc_default also yields the zero3-only row
 LABEL = {"plain": "plain ZeRO-3 (eager)", "dc_zero3": "DeepCompile zero3 pass only",
          "dc_default": "DeepCompile default schedule", "ours": "hf_zero3 plan (budget)",
-         "ours_match": "hf_zero3 plan (match_zero3)"}
+         "ours_match": "hf_zero3 plan (match_zero3)", "ours_split": "hf_zero3 plan (budget, coalesce off)"}
 SEQ = 512
 
 
@@ -69,14 +70,14 @@ def rank_main(setting: str, cap_gib: float, steps: int, progress: str):
         engine.compile(schedule=[(0, ["zero3_compile"])])
     elif setting == "dc_default":
         engine.compile()
-    elif setting in ("ours", "ours_match"):
+    elif setting in ("ours", "ours_match", "ours_split"):
         from hf_zero3.compile import MemoryPlanConfig
         from hf_zero3.compile.gate import reset_counters
         from hf_zero3.compile.memory_plan import compile_with_memory_plan
 
         reset_counters()
-        planner = compile_with_memory_plan(
-            engine, MemoryPlanConfig(mode="budget" if setting == "ours" else "match_zero3"))
+        planner = compile_with_memory_plan(engine, MemoryPlanConfig(
+            mode="match_zero3" if setting == "ours_match" else "budget", coalesce=setting != "ours_split"))
     rec = {"setting": setting, "cap_gib": cap_gib, "steps": [], "error": None}
     path = os.path.join(progress, f"{setting}_{cap_gib}_rank{rank}.json")
 
@@ -142,7 +143,7 @@ def _row(rec: dict, status: str, tail_from: int | None = None) -> dict:
         row.update(prefetch_issued=gate["issued"], prefetch_deferred=gate["deferred"])
     plan = rec.get("plan")
     if plan:
-        row.update(planned=f"{plan['prefetched']}/{plan['gathers']}", persistent=plan["persistent"],
+        row.update(planned=f"{plan['prefetched']}/{plan['gathers']}", slots=plan["slots"], persistent=plan["persistent"],
                    budget_gib=plan["budget"] / 2**30)
     return row
 
@@ -198,7 +199,7 @@ def main():
     path = save(name, {"setup": {"world": world, "seq": SEQ, "layers": model_config().num_hidden_layers,
                                      "steps": args.steps}, "rows": keep + rows}, HERE)
     print(table(rows, ["setting", "cap_gib", "status", "peak_alloc_gib", "peak_reserved_gib", "median_step_s",
-                       "compile_s", "prefetch_deferred", "planned", "persistent", "speed_vs_plain",
+                       "compile_s", "prefetch_deferred", "planned", "slots", "persistent", "speed_vs_plain",
                        "speed_vs_default", "peak_vs_plain"]))
     print(f"raw numbers: {path}")
 
