@@ -25,7 +25,7 @@ from torch.utils import _pytree as pytree
 
 from hf_zero3.compile.planner import GATHER, RELEASE
 
-__all__ = ["gather", "release", "RecordedProfile", "record_zero3_graph", "STAND_IN_OPS"]
+__all__ = ["gather", "release", "RecordedProfile", "record_zero3_graph", "record_tiny_model", "STAND_IN_OPS"]
 
 GATHER_LATENCY = 20e-6
 GATHER_BANDWIDTH = 25e9
@@ -109,6 +109,17 @@ def record_zero3_graph(model: torch.nn.Module, input_ids: torch.Tensor, world_si
         rec.fwd_time.append((name, t * 1e3, t * 1e3))
         rec.fwd_tensor_sizes.append((name, nbytes))
     return rec
+
+
+def record_tiny_model(config=None, repeats: int = 1) -> RecordedProfile:
+    """:func:`record_zero3_graph` of a tiny model built in code (default: a 64-wide Llama), seeded,
+    on a fixed batch of 2 x 16 tokens: every rank and test records the same graph."""
+    from hf_zero3.testing import models
+
+    cfg = config or models.tiny_llama_config(hidden_size=64, intermediate_size=128, vocab_size=256)
+    torch.manual_seed(0)
+    model = models.model_class_for(cfg)(cfg).eval()
+    return record_zero3_graph(model, torch.randint(3, cfg.vocab_size, (2, 16)), repeats=repeats)
 
 
 class _Profiler(Interpreter):

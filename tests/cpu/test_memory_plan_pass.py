@@ -11,14 +11,10 @@ import torch
 from hf_zero3.testing import run_ranks
 
 
-def _recorded(graph_id: int):
-    from hf_zero3.testing import models
-    from hf_zero3.testing.fx_profile import record_zero3_graph
+def _recorded():
+    from hf_zero3.testing.fx_profile import record_tiny_model
 
-    cfg = models.tiny_llama_config(hidden_size=64, intermediate_size=128, vocab_size=256)
-    torch.manual_seed(0)
-    model = models.model_class_for(cfg)(cfg).eval()
-    rec = record_zero3_graph(model, torch.randint(3, 256, (2, 16)), repeats=1)
+    rec = record_tiny_model()
     # DeepCompile would hand the pass the backward graph's fields; alias the recorded ones.
     rec.bwd_graph, rec.bwd_mem, rec.bwd_time = rec.fwd_graph, rec.fwd_mem, rec.fwd_time
     rec.bwd_tensor_sizes, rec.fwd_mem_complete, rec.bwd_mem_complete = rec.fwd_tensor_sizes, True, True
@@ -35,7 +31,7 @@ def _pass_rank(limit_slack: int):
     from hf_zero3.testing.fx_profile import STAND_IN_OPS
 
     rank, gid = dist.get_rank(), 11
-    rec = _recorded(gid)
+    rec = _recorded()
     with torch.no_grad():
         reference = Interpreter(rec.gm).run(*rec.inputs)
     peak = max(m[3] for m in rec.fwd_mem)

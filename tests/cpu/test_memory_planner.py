@@ -10,7 +10,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from hf_zero3.compile.planner import (COMPUTE, GATHER, INPUT, OUTPUT, RELEASE, WAIT, BudgetTooSmallError,
                                       GraphProfile, NodeProfile, PlanError, check_floor, plan_persistence,
@@ -44,14 +43,11 @@ def recorded():
     """FX graphs of a real Llama and Qwen2 forward with gathers/releases, profiled on CPU."""
     from hf_zero3.compile.profile import profile_from_deepcompile
     from hf_zero3.testing import models
-    from hf_zero3.testing.fx_profile import STAND_IN_OPS, record_zero3_graph
+    from hf_zero3.testing.fx_profile import STAND_IN_OPS, record_tiny_model
 
     out = []
-    for i, cfg in enumerate((models.tiny_llama_config(hidden_size=64, intermediate_size=128, vocab_size=256),
-                             models.tiny_qwen2_config(hidden_size=64, intermediate_size=128, vocab_size=256))):
-        torch.manual_seed(0)
-        model = models.model_class_for(cfg)(cfg).eval()
-        rec = record_zero3_graph(model, torch.randint(3, 256, (2, 16)))
+    for i, cfg in enumerate((None, models.tiny_qwen2_config(hidden_size=64, intermediate_size=128, vocab_size=256))):
+        rec = record_tiny_model(cfg, repeats=3)
         out.append(profile_from_deepcompile(rec.fwd_graph, rec, i, False, ops=STAND_IN_OPS))
     return out
 
@@ -182,13 +178,9 @@ def _plan_on_rank():
     import torch.distributed as dist
 
     from hf_zero3.compile.profile import agree_profile, profile_from_deepcompile
-    from hf_zero3.testing import models
-    from hf_zero3.testing.fx_profile import STAND_IN_OPS, record_zero3_graph
+    from hf_zero3.testing.fx_profile import STAND_IN_OPS, record_tiny_model
 
-    cfg = models.tiny_llama_config(hidden_size=64, intermediate_size=128, vocab_size=256)
-    torch.manual_seed(0)
-    model = models.model_class_for(cfg)(cfg).eval()
-    rec = record_zero3_graph(model, torch.randint(3, 256, (2, 16)), repeats=1)
+    rec = record_tiny_model()
     local = profile_from_deepcompile(rec.fwd_graph, rec, 0, False, ops=STAND_IN_OPS)
     agreed = agree_profile(local, None)
     budget = (agreed.peak + min(x.alloc for x in agreed.nodes if x.kind != INPUT)) // 2

@@ -49,14 +49,11 @@ def _gated_graph_rank(agree: bool, drifts: tuple[int, ...]):
     from hf_zero3.compile.memory_plan import _rewrite
     from hf_zero3.compile.planner import plan_prefetch
     from hf_zero3.compile.profile import agree_profile, profile_from_deepcompile
-    from hf_zero3.testing import mark, models
-    from hf_zero3.testing.fx_profile import STAND_IN_OPS, record_zero3_graph
+    from hf_zero3.testing import mark
+    from hf_zero3.testing.fx_profile import STAND_IN_OPS, record_tiny_model
 
     rank = dist.get_rank()
-    cfg = models.tiny_llama_config(hidden_size=64, intermediate_size=128, vocab_size=256)
-    torch.manual_seed(0)
-    model = models.model_class_for(cfg)(cfg).eval()
-    rec = record_zero3_graph(model, torch.randint(3, 256, (2, 16)), repeats=1)
+    rec = record_tiny_model()
     with torch.no_grad():
         reference = Interpreter(rec.gm).run(*rec.inputs)
     profile = agree_profile(profile_from_deepcompile(rec.fwd_graph, rec, 0, False, ops=STAND_IN_OPS))
