@@ -9,14 +9,11 @@ from hf_zero3.testing import mark, run_ranks
 
 
 def _trainer_run(tmpdir):
-    import torch.distributed as dist
-
     from hf_zero3 import Zero3Safe
     from hf_zero3.gathering import active_plan
     from hf_zero3.testing import models
     from hf_zero3.testing.trainer_job import make_trainer, train_losses
 
-    rank = dist.get_rank()
     out = {}
     # 1) train -> train (no eval) and train -> eval -> train: same losses
     mark("trainer without eval")
@@ -88,13 +85,10 @@ def test_predict_logits_match_reference_uneven_eval_set(trainer_results):
 
 
 def _seq2seq_generate(tmpdir):
-    import torch.distributed as dist
-
     from hf_zero3 import Zero3Safe
     from hf_zero3.testing import models
     from hf_zero3.testing.trainer_job import make_trainer
 
-    rank = dist.get_rank()
     trainer = make_trainer(f"{tmpdir}/s2s", callbacks=[Zero3Safe(sync_every=2)], max_steps=2,
                            seq2seq=True, n_eval=3)
     trainer.train()
