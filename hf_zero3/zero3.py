@@ -18,7 +18,7 @@ import torch.nn as nn
 
 __all__ = [
     "unwrap", "engine_of", "is_zero3_param", "is_zero3_model", "zero3_params", "gather_group",
-    "group_world_size", "deepcompile_active", "deepcompile_enabled", "offload_of",
+    "group_world_size", "group_ranks", "deepcompile_active", "deepcompile_enabled", "offload_of",
     "zero3_hooks_suspended", "full_param_bytes", "device_of", "pending_optimizer_bytes",
     "deepcompile_handle", "replace_pending_schedule", "deepcompile_supported",
 ]
@@ -105,6 +105,15 @@ def group_world_size(group) -> int:
     if not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size(group=group)
+
+
+def group_ranks(group) -> tuple[int, ...]:
+    """Global ranks of ``group`` (None or WORLD: every rank)."""
+    import torch.distributed as dist
+
+    if group is None or group is dist.group.WORLD:
+        return tuple(range(dist.get_world_size()))
+    return tuple(dist.get_process_group_ranks(group))
 
 
 def deepcompile_enabled(engine) -> bool:

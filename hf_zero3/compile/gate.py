@@ -108,9 +108,9 @@ def host_group(group):
     CPU tensors (gloo), else a gloo group over the same ranks, created once per rank set.
 
     An NCCL all-reduce of a CUDA tensor read back with ``.tolist()`` waits for every kernel queued
-    before it, so agreeing at each graph launch drained the stream twice a step and the CPU lost
-    its lead over the GPU (0.10 s steps against DeepSpeed's 0.07 s on the 1B benchmark). The
-    drift is a host number; reducing it on the host costs a loopback round trip and no stall.
+    before it, so agreeing at each graph launch would drain the stream twice a step and cost the
+    host its lead over the GPU on a launch-bound step. The drift is a host number; reducing it
+    on the host costs a loopback round trip and no stall.
     Called at compile time, when every rank of the group compiles the same graph; other ranks
     need not take part (``use_local_synchronization``).
     """
@@ -120,7 +120,9 @@ def host_group(group):
         return group
     if dist.get_backend(group) != "nccl":
         return group
-    ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+    from hf_zero3.zero3 import group_ranks
+
+    ranks = group_ranks(group)
     if ranks not in _HOST_GROUPS:
         try:
             _HOST_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)

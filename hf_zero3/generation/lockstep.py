@@ -182,10 +182,7 @@ def _check_group_matches(model, group) -> None:
     own = zero3.gather_group(model)
     if group is own:
         return
-    own_ranks = set(dist.get_process_group_ranks(own)) if own is not dist.group.WORLD else set(
-        range(dist.get_world_size()))
-    ranks = set(dist.get_process_group_ranks(group)) if group is not dist.group.WORLD else set(
-        range(dist.get_world_size()))
+    own_ranks, ranks = set(zero3.group_ranks(own)), set(zero3.group_ranks(group))
     if not own_ranks <= ranks:
         raise ValueError(
             f"group= has ranks {sorted(ranks)} but the model's parameters are gathered over ranks "
