@@ -108,8 +108,10 @@ def _target(model):
 
 
 def _close(model) -> None:
-    if model is not None:
-        try:
-            close_eval_region(_target(model))
-        except TypeError:
-            pass
+    if model is None:
+        return
+    try:
+        target = _target(model)
+    except TypeError:  # not a generation model: Zero3Safe installed nothing on it
+        return
+    close_eval_region(target)
