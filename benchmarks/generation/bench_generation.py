@@ -65,7 +65,6 @@ def rank_main(small: bool):
                           eos_token_id=2)
     dtype = torch.bfloat16 if cuda else torch.float32
     ds = strict_zero3_config(world_size=dist.get_world_size(), bf16=cuda)
-    models.ensure_deepspeed_comm()
     mark("build model")
     t_build = time.perf_counter()
     model = models.zero3_model(cfg, ds, dtype=dtype)

@@ -49,12 +49,10 @@ def rank_main(setting: str, cap_gib: float, steps: int, progress: str):
 
     from hf_zero3.testing import mark, models
 
-    rank = dist.get_rank()
-    torch.cuda.set_device(rank % torch.cuda.device_count())
+    rank = dist.get_rank()  # run_ranks pinned this rank to its GPU and started DeepSpeed's comm
     if cap_gib:
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         torch.cuda.set_per_process_memory_fraction(cap_gib * 2**30 / total)
-    models.ensure_deepspeed_comm()
     ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
           "train_batch_size": dist.get_world_size(), "bf16": {"enabled": True},
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "torch_adam": True}},

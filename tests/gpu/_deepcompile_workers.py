@@ -36,15 +36,15 @@ def llama_cfg():
                        pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
-def build(deepcompile: bool = True, compile_: bool = True):
+def build(deepcompile: bool = True, compile_: bool = True, torch_adam: bool = False):
     import deepspeed
     import torch.distributed as dist
 
     from hf_zero3.testing import models
 
-    torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
-    models.ensure_deepspeed_comm()
     ds = dc_config(dist.get_world_size(), deepcompile)
+    if torch_adam:
+        ds["optimizer"]["params"]["torch_adam"] = True
     model = models.zero3_model(llama_cfg(), ds, seed=0, dtype=torch.bfloat16)
     engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
     if compile_:
@@ -165,8 +165,6 @@ def trainer_deepcompile(tmpdir: str, with_zero3safe: bool):
 
     from hf_zero3 import Zero3Safe
     from hf_zero3.testing import mark, models
-
-    torch.cuda.set_device(dist.get_rank())
 
     class Rows(torch.utils.data.Dataset):
         def __init__(self, n, seed):

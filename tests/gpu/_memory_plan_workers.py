@@ -5,21 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from _deepcompile_workers import batch, dc_config, llama_cfg
+from _deepcompile_workers import batch, build, dc_config, llama_cfg
 
 
 def _engine(setting: str, plan_kwargs: dict | None = None):
-    import deepspeed
-    import torch.distributed as dist
-
-    from hf_zero3.testing import models
-
-    torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
-    models.ensure_deepspeed_comm()
-    ds = dc_config(dist.get_world_size())
-    ds["optimizer"]["params"]["torch_adam"] = True
-    model = models.zero3_model(llama_cfg(), ds, seed=0, dtype=torch.bfloat16)
-    engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
+    engine = build(compile_=False, torch_adam=True)
     planner = None
     if setting == "zero3_only":
         engine.compile(schedule=[(0, ["zero3_compile"])])
@@ -75,7 +65,6 @@ def accelerate_plugin(steps: int = 3):
     from hf_zero3 import Zero3DeepSpeedPlugin
     from hf_zero3.testing import models
 
-    torch.cuda.set_device(dist.get_rank())
     ds = dc_config(dist.get_world_size())
     ds["optimizer"]["params"]["torch_adam"] = True
     ds["hf_zero3"] = {"memory_plan": {"mode": "auto", "max_memory": "auto", "gate": True}}

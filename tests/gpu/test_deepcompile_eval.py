@@ -5,20 +5,14 @@ import math
 import statistics
 
 import pytest
-import torch
 
-from hf_zero3.testing import DistributedFailure, run_ranks
+from _launch import run as _run
+
+from hf_zero3.testing import DistributedFailure
 
 pytestmark = pytest.mark.gpu
 
 
-def _world():
-    return max(1, min(2, torch.cuda.device_count()))
-
-
-def _run(fn, *args, timeout=420):
-    return run_ranks(fn, _world(), args=args, backend="nccl", init="deepspeed", timeout=timeout,
-                     pg_timeout=120)
 
 
 def test_reproduction_fails_without_hf_zero3():

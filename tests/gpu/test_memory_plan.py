@@ -6,20 +6,15 @@ engine through accelerate with no dynamo settings."""
 import math
 
 import pytest
-import torch
 
-from hf_zero3.testing import DistributedFailure, run_ranks
+from _launch import run as _run
+from _launch import world as _world
+
+from hf_zero3.testing import DistributedFailure
 
 pytestmark = pytest.mark.gpu
 
 
-def _world():
-    return max(1, min(2, torch.cuda.device_count()))
-
-
-def _run(fn, *args, timeout=420, **kwargs):
-    return run_ranks(fn, _world(), args=args, kwargs=kwargs, backend="nccl", init="deepspeed",
-                     timeout=timeout, pg_timeout=120)
 
 
 @pytest.fixture(scope="module")
