@@ -6,7 +6,9 @@ Model: the issue's Llama-3.2-1B shape built in code (16 layers, hidden 2048, int
 32 heads / 8 KV, vocab 128256, tied embeddings), batch 1 x 512 tokens, HF activation
 checkpointing, bf16, AdamW (torch), ZeRO-3 with DeepSpeed's default settings, one GPU per rank.
 Per step: torch.cuda.max_memory_allocated / max_memory_reserved (peak reset each step), wall
-time. Compile time: the extra time of the steps that compile (steps above 3x the median).
+time, cudaMalloc retries. Compile time: the extra time of the steps that compile (steps above 3x
+the median). Ratios use the baselines of the same invocation; where it has none, an earlier run's,
+and the row names them in ratios_from_earlier_run.
 
 Run (GPU):  python benchmarks/memory/bench_memory.py [--cap GIB ...] [--settings a,b] [--steps N]
 Each (setting, cap) runs in fresh processes; rows accumulate in memory.json beside this file.
@@ -102,7 +104,9 @@ def rank_main(setting: str, cap_gib: float, steps: int, progress: str):
             os._exit(3)  # peers fail in their next collective; the parent reads this file
         rec["steps"].append({"t": time.perf_counter() - t, "loss": float(loss.item()),
                              "alloc": torch.cuda.max_memory_allocated(),
-                             "reserved": torch.cuda.max_memory_reserved()})
+                             "reserved": torch.cuda.max_memory_reserved(),
+                             # cudaMalloc retries after freeing the cache: the cost of running at a cap
+                             "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0)})
         flush()
     if planner is not None:
         from hf_zero3.compile.gate import counters
@@ -135,7 +139,7 @@ def _row(rec: dict, status: str, tail_from: int | None = None) -> dict:
                    peak_reserved_gib=max(s["reserved"] for s in steps) / 2**30,
                    median_step_s=med,
                    compile_s=sum(s["t"] - med for s in steps + rec.get("compile_first", []) if s["t"] > 3 * med),
-                   final_loss=steps[-1]["loss"])
+                   final_loss=steps[-1]["loss"], alloc_retries=steps[-1].get("alloc_retries"))
     gate = rec.get("gate")
     if gate:
         row.update(prefetch_issued=gate["issued"], prefetch_deferred=gate["deferred"])
@@ -183,9 +187,16 @@ def main():
                 row["wall_s"] = time.time() - t0
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    plain = {r["cap_gib"]: r for r in rows + previous if r["setting"] == LABEL["plain"] and "median_step_s" in r}
-    default = {r["cap_gib"]: r for r in rows + previous
-               if r["setting"] == LABEL["dc_default"] and "median_step_s" in r}
+    # Ratios against this run's baselines; an earlier run's only where this run has none, and then
+    # the row says so (lent hosts differ by +-20 % in step time).
+    def baseline(label):
+        found = {}
+        for r in previous + rows:  # later wins: this run over earlier ones
+            if r["setting"] == label and r.get("median_step_s"):
+                found[r["cap_gib"]] = r
+        return found
+
+    plain, default = baseline(LABEL["plain"]), baseline(LABEL["dc_default"])
     for r in rows:
         if "median_step_s" in r:
             if r["cap_gib"] in plain:
@@ -193,11 +204,15 @@ def main():
                 r["peak_vs_plain"] = r["peak_alloc_gib"] / plain[r["cap_gib"]]["peak_alloc_gib"]
             if r["cap_gib"] in default:
                 r["speed_vs_default"] = default[r["cap_gib"]]["median_step_s"] / r["median_step_s"]
+            earlier = [name for name, base in (("plain", plain), ("default", default))
+                       if r["cap_gib"] in base and all(base[r["cap_gib"]] is not x for x in rows)]
+            if earlier:
+                r["ratios_from_earlier_run"] = earlier
     keep = [p for p in previous if (p["setting"], p["cap_gib"]) not in {(r["setting"], r["cap_gib"]) for r in rows}]
     path = save(name, {"setup": {"world": world, "seq": SEQ, "layers": model_config().num_hidden_layers,
                                      "steps": args.steps}, "rows": keep + rows}, HERE)
     print(table(rows, ["setting", "cap_gib", "status", "peak_alloc_gib", "peak_reserved_gib", "median_step_s",
-                       "compile_s", "prefetch_deferred", "planned", "slots", "persistent", "speed_vs_plain",
+                       "compile_s", "alloc_retries", "prefetch_deferred", "planned", "slots", "persistent", "speed_vs_plain",
                        "speed_vs_default", "peak_vs_plain"]))
     print(f"raw numbers: {path}")
 
