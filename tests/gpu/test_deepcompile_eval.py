@@ -13,8 +13,6 @@ from hf_zero3.testing import DistributedFailure
 pytestmark = pytest.mark.gpu
 
 
-
-
 def test_reproduction_fails_without_hf_zero3():
     from _deepcompile_workers import raw_eval_then_train
 

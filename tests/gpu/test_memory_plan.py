@@ -15,8 +15,6 @@ from hf_zero3.testing import DistributedFailure
 pytestmark = pytest.mark.gpu
 
 
-
-
 @pytest.fixture(scope="module")
 def reference():
     from _memory_plan_workers import train
