@@ -57,25 +57,16 @@ def free_bytes(device: torch.device) -> int:
 
     On CUDA: the smaller of the device's free memory and what is left under the process's
     memory fraction cap (``torch.cuda.set_per_process_memory_fraction``); memory cached by the
-    caching allocator but unused counts as free. On CPU: available system memory.
+    caching allocator but unused counts as free (:attr:`MemoryState.allocatable`). On CPU:
+    available system memory.
     """
     if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        reserved = torch.cuda.memory_reserved(device)
-        allocated = torch.cuda.memory_allocated(device)
-        cached_free = max(reserved - allocated, 0)
-        fraction = _memory_fraction(device)
-        capped = int(total * fraction) - allocated if fraction < 1.0 else free + cached_free
-        return max(0, min(free + cached_free, capped))
+        from .device_memory import read_cuda_memory
+
+        return read_cuda_memory(device).allocatable
     import psutil
 
     return int(psutil.virtual_memory().available)
-
-
-def _memory_fraction(device: torch.device) -> float:
-    from ._compat import cuda_memory_fraction
-
-    return cuda_memory_fraction(device)
 
 
 def _decide(model: nn.Module, mode: str, group) -> GatherPlan:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hf_zero3.compile.config import MemoryPlanConfig
-from hf_zero3.compile.gate import MemoryState
+from hf_zero3.device_memory import MemoryState
 
 __all__ = ["MemoryBudget", "compute_budget", "agree_budget"]
 

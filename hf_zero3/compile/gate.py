@@ -21,12 +21,12 @@ one order. A deferred gather happens at its point of use (DeepCompile's ``allgat
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
 from hf_zero3 import _ext
+from hf_zero3.device_memory import MemoryState, read_cuda_memory
 
 __all__ = ["decide", "agree_drift", "register_ops", "counters", "reset_counters", "memory_state",
            "MemoryState", "set_launch_group", "host_group", "set_issue_fn", "local_drift", "native"]
@@ -45,28 +45,6 @@ _ISSUE: list[Callable] = [_dc_prefetch]  # what the PyTorch fallback does to iss
 _COUNTERS = {"issued": 0, "deferred": 0, "issued_bytes": 0, "deferred_bytes": 0, "launches": 0}
 
 
-@dataclass(frozen=True)
-class MemoryState:
-    """One device's memory, in bytes: the caching allocator's and the driver's view."""
-
-    allocated: int
-    reserved: int
-    free: int
-    total: int
-    fraction: float = 1.0
-
-    @property
-    def non_pytorch(self) -> int:
-        """Used on the device but not by this process's caching allocator (CUDA context, NCCL,
-        cuBLAS workspaces, other processes)."""
-        return max(0, self.total - self.free - self.reserved)
-
-    @property
-    def fragmentation(self) -> int:
-        """Reserved by the allocator but not allocated: cached blocks a large request may not fit."""
-        return max(0, self.reserved - self.allocated)
-
-
 def native():
     return _ext.load()
 
@@ -81,11 +59,7 @@ def memory_state(device: int | torch.device | None = None) -> MemoryState:
         torch.cuda.init()  # the allocator has no device state before CUDA is initialised
         a, r, f, t, ppm = mod.memory_state(index)
         return MemoryState(a, r, f, t, ppm / 1e6)
-    from hf_zero3._compat import cuda_memory_fraction
-
-    free, total = torch.cuda.mem_get_info(index)
-    return MemoryState(torch.cuda.memory_allocated(index), torch.cuda.memory_reserved(index), free, total,
-                       cuda_memory_fraction(torch.device("cuda", index)))
+    return read_cuda_memory(index)
 
 
 def decide(window_peak: int, launch: Sequence[int]) -> bool:

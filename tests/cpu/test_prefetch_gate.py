@@ -40,6 +40,15 @@ def test_drift_is_measured_in_profile_units():
     assert local_drift(0, ref_alloc=600, state=s) == 700 + 100 - 600
 
 
+def test_allocatable_counts_cached_blocks_and_the_fraction_cap():
+    # What eval gathering (gathering.free_bytes) may still allocate, from the same reading the gate uses.
+    s = MemoryState(allocated=700, reserved=800, free=100, total=1000)
+    assert s.allocatable == 100 + 100  # device free + cached but unallocated
+    capped = MemoryState(allocated=700, reserved=800, free=100, total=1000, fraction=0.75)
+    assert capped.allocatable == 750 - 700  # the cap binds before the device does
+    assert MemoryState(allocated=900, reserved=900, free=50, total=1000, fraction=0.5).allocatable == 0
+
+
 def _gated_graph_rank(agree: bool, drifts: tuple[int, ...]):
     """Plan + rewrite a recorded Llama graph, run it with this rank's memory state, log issues."""
     import torch.distributed as dist
