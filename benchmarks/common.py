@@ -13,6 +13,17 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
 
 
+def llama_1b_config(num_hidden_layers: int = 16):
+    """The issues' model, built in code with random weights: Llama-3.2-1B's shape (hidden 2048,
+    intermediate 8192, 32 heads / 8 KV, vocab 128256, tied embeddings), SDPA attention."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                       num_hidden_layers=num_hidden_layers, num_attention_heads=32, num_key_value_heads=8,
+                       max_position_embeddings=2048, tie_word_embeddings=True, attn_implementation="sdpa",
+                       pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
 def world_and_backend(max_gpus: int = 2):
     import torch
 

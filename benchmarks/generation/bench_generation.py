@@ -17,7 +17,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from common import save, table, world_and_backend  # noqa: E402
+from common import llama_1b_config, save, table, world_and_backend  # noqa: E402
 
 MAX_NEW = int(os.environ.get("BENCH_MAX_NEW", 128))
 BATCH = int(os.environ.get("BENCH_BATCH", 8))
@@ -46,7 +46,7 @@ def _targets(mix: str, rank: int):
 def rank_main(small: bool):
     import torch
     import torch.distributed as dist
-    from transformers import LlamaConfig, StoppingCriteria, StoppingCriteriaList
+    from transformers import StoppingCriteria, StoppingCriteriaList
 
     import deepspeed
     import hf_zero3
@@ -58,11 +58,7 @@ def rank_main(small: bool):
     if small:
         cfg = models.tiny_llama_config(vocab_size=512, hidden_size=64, intermediate_size=128)
     else:
-        cfg = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
-                          num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                          tie_word_embeddings=True, max_position_embeddings=2048,
-                          attn_implementation="sdpa", pad_token_id=0, bos_token_id=1,
-                          eos_token_id=2)
+        cfg = llama_1b_config()
     dtype = torch.bfloat16 if cuda else torch.float32
     ds = strict_zero3_config(world_size=dist.get_world_size(), bf16=cuda)
     mark("build model")

@@ -26,7 +26,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from common import save, table, world_and_backend  # noqa: E402
+from common import llama_1b_config, save, table, world_and_backend  # noqa: E402
 
 SETTINGS = ("plain", "dc_default", "ours", "ours_match")  # dc_default also yields the zero3-only row
 LABEL = {"plain": "plain ZeRO-3 (eager)", "dc_zero3": "DeepCompile zero3 pass only",
@@ -36,12 +36,7 @@ SEQ = 512
 
 
 def model_config():
-    from transformers import LlamaConfig
-
-    return LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
-                       num_hidden_layers=int(os.environ.get("BENCH_LAYERS", 16)), num_attention_heads=32,
-                       num_key_value_heads=8, max_position_embeddings=2048, tie_word_embeddings=True,
-                       attn_implementation="sdpa", pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return llama_1b_config(int(os.environ.get("BENCH_LAYERS", 16)))
 
 
 def rank_main(setting: str, cap_gib: float, steps: int, progress: str):
