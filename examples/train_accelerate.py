@@ -34,7 +34,7 @@ def main():
         accelerator.print(f"step {step} loss {loss.item():.4f} (rank {accelerator.process_index} of {accelerator.num_processes})")
         if step == 9:
             break
-    plan = getattr(engine, "_hf_zero3_memory_plan", None)
+    plan = hf_zero3.runtime_of(engine).memory_plan
     accelerator.print("memory plan:", plan.summary() if plan else None, "gate:", counters())
 
 

@@ -9,7 +9,6 @@ Public API (imported lazily, so ``import hf_zero3`` stays cheap):
 * :func:`gathered_forwards` - the gather-all / layer-wise region both build on.
 * :class:`Zero3DeepSpeedPlugin`, :func:`enable_memory_plan` - DeepCompile's memory-budgeted
   prefetch plan through accelerate; :func:`compile_with_memory_plan` for a bare engine;
-  :class:`MemoryPlanConfig` its settings.
 """
 
 __version__ = "0.1.0"
@@ -26,9 +25,26 @@ _LAZY = {
     "enable_memory_plan": "hf_zero3.accelerate",
     "MemoryPlanConfig": "hf_zero3.compile",
     "compile_with_memory_plan": "hf_zero3.compile.memory_plan",
+    "runtime_of": "hf_zero3.runtime",
+    "RankDivergenceError": "hf_zero3.errors",
+    "RankFailure": "hf_zero3.errors",
 }
 
-__all__ = sorted(_LAZY) + ["__version__"]
+__all__ = sorted(_LAZY) + ["__version__", "unpatch", "patching"]
+
+
+def unpatch() -> list[str]:
+    """Undo every patch of accelerate / DeepSpeed / TRL that hf_zero3 installed; returns their names."""
+    from ._upstream.patches import unpatch as _unpatch
+
+    return _unpatch()
+
+
+def patching():
+    """Context manager: patches hf_zero3 installs inside the block are undone when it exits."""
+    from ._upstream.patches import scope
+
+    return scope()
 
 
 def __getattr__(name):

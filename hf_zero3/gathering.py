@@ -1,6 +1,7 @@
 """Make forwards outside the training step see gathered parameters, the same way on every rank.
 
-Two strategies, chosen once per region and agreed across the gather group:
+Three strategies, chosen once per region and agreed across the gather group (one tagged
+agreement, so a rank that asks for another mode, or fails while deciding, makes every rank raise):
 
 * ``"all"``: all-gather the whole model once (``GatheredParameters``), take DeepSpeed's eager
   per-layer hooks off meanwhile, and release everything on exit. No collective runs inside the
@@ -8,35 +9,33 @@ Two strategies, chosen once per region and agreed across the gather group:
 * ``"layerwise"``: gather each module's own parameters just before it runs and release them right
   after. Under plain ZeRO-3 DeepSpeed's hooks already do this; under DeepCompile those hooks are
   gone, so hf_zero3 installs its own for the region.
+* ``"held"``: someone already holds every parameter gathered on every rank (TRL's
+  ``unwrap_model_for_generation``); the region uses them as they are and gathers nothing.
 
 Under DeepCompile the in-place compiled ``__call__`` is bypassed for the region (its graph expects
-partitioned parameters and would gather them natively a second time).
+partitioned parameters and would gather them natively a second time). Whatever happens inside, a
+region leaves on exit what it found: parameters partitioned, hooks restored, counters clean.
 """
 
 from __future__ import annotations
 
 import contextlib
-import weakref
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 import torch.nn as nn
 
-from . import agree, zero3
+from . import zero3
+from ._upstream import deepspeed as ds_up
+from ._upstream import torch as torch_up
+from .runtime import runtime_of
 
 __all__ = ["GatherPlan", "gathered_forwards", "active_plan", "free_bytes", "GATHER_MODES",
            "eval_forward", "open_eval_region", "close_eval_region", "EvalGatherMixin"]
 
-_ACTIVE: "weakref.WeakKeyDictionary[nn.Module, GatherPlan]" = weakref.WeakKeyDictionary()
-
-
-def active_plan(model_or_engine) -> "GatherPlan | None":
-    """The plan of the gathered region open on this model, if any."""
-    return _ACTIVE.get(zero3.unwrap(model_or_engine))
-
 GATHER_MODES = ("auto", "all", "layerwise")
-_MODE_CODE = {m: i for i, m in enumerate(GATHER_MODES)}
+LAYER_HOOKS = ("auto", "deepspeed", "hf_zero3")
 #: Headroom kept free on top of the gathered model (activations, KV cache, allocator slack).
 HEADROOM_FRACTION = 0.10
 HEADROOM_MIN_BYTES = 256 << 20
@@ -44,12 +43,24 @@ HEADROOM_MIN_BYTES = 256 << 20
 
 @dataclass
 class GatherPlan:
-    """What a region decided: ``strategy`` is "all", "layerwise" or "none" (not ZeRO-3)."""
+    """What a region decided: ``strategy`` is "all", "layerwise", "held" or "none" (not ZeRO-3)."""
 
     strategy: str
     need_bytes: int = 0
     min_free_bytes: int = 0
     deepcompile: bool = False
+
+
+@dataclass
+class Region:
+    plan: GatherPlan
+    stack: contextlib.ExitStack | None = None  # set for regions that outlive one ``with`` (eval loops)
+
+
+def active_plan(model_or_engine) -> "GatherPlan | None":
+    """The plan of the gathered region open on this model, if any."""
+    rt = runtime_of(model_or_engine, create=False)
+    return rt.region.plan if rt is not None and rt.region is not None else None
 
 
 def free_bytes(device: torch.device) -> int:
@@ -69,67 +80,77 @@ def free_bytes(device: torch.device) -> int:
     return int(psutil.virtual_memory().available)
 
 
-def _decide(model: nn.Module, mode: str, group) -> GatherPlan:
+def _local_facts(model: nn.Module, mode: str, layer_hooks: str) -> tuple[list[int], int]:
+    """([fits, -fits, held, -held, -free], mode code) on this rank; raises on a bad argument."""
     if mode not in GATHER_MODES:
         raise ValueError(f"gather mode must be one of {GATHER_MODES}, not {mode!r}")
-    dc = zero3.deepcompile_active(model)
+    if layer_hooks not in LAYER_HOOKS:
+        raise ValueError(f"layer_hooks must be one of {LAYER_HOOKS}, not {layer_hooks!r}")
+    params = zero3.zero3_params(model)
     need = zero3.full_param_bytes(model)
     free = free_bytes(zero3.device_of(model))
-    need_with_headroom = need + max(int(need * HEADROOM_FRACTION), HEADROOM_MIN_BYTES)
-    fits = int(free >= need_with_headroom)
-    code = _MODE_CODE[mode]
-    # one all-reduce: [mode, -mode, -fits] -> max(mode), min(mode), min(fits); free min for reports
-    mx = agree.all_max([code, -code, -fits, -free], group)
-    if mx[0] != -mx[1]:
-        raise ValueError(
-            "ranks of the gather group asked for different gather modes "
-            f"({GATHER_MODES[-mx[1]]!r} vs {GATHER_MODES[mx[0]]!r}); pass the same gather= on every rank")
-    all_fit = -mx[2] == 1
-    if mode == "all" or (mode == "auto" and all_fit):
+    fits = int(free >= need + max(int(need * HEADROOM_FRACTION), HEADROOM_MIN_BYTES))
+    held = int(bool(params) and all(ds_up.param_available(p) for p in params))
+    return [fits, -fits, held, -held, -free], need
+
+
+def _decide(rt, model: nn.Module, mode: str, layer_hooks: str, op: str) -> GatherPlan:
+    error, facts, need = None, [0, 0, 0, 0, 0], 0
+    try:
+        facts, need = _local_facts(model, mode, layer_hooks)
+    except Exception as exc:  # shared below: every rank raises it
+        error = exc
+    # one agreement: the tag carries the mode (must match), the values who fits / who holds
+    fits_max, neg_fits_min, held_max, neg_held_min, neg_free_min = rt.agree(
+        op, facts, error=error, gather=mode)
+    if held_max != -neg_held_min:
+        raise RuntimeError(
+            "hf_zero3: the model's parameters are already gathered on some ranks of its group but not on "
+            "others; a region cannot start from that state. Enter GatheredParameters (or TRL's "
+            "unwrap_model_for_generation) on every rank, or on none.")
+    if held_max:
+        strategy = "held"
+    elif mode == "all" or (mode == "auto" and -neg_fits_min == 1):
         strategy = "all"
     else:
         strategy = "layerwise"
-    return GatherPlan(strategy, need_bytes=need, min_free_bytes=-mx[3], deepcompile=dc)
+    return GatherPlan(strategy, need_bytes=need, min_free_bytes=-neg_free_min, deepcompile=rt.deepcompile_active())
 
 
 @contextlib.contextmanager
 def gathered_forwards(model_or_engine, mode: str = "auto", group=None,
-                      layer_hooks: str = "auto") -> Iterator[GatherPlan]:
+                      layer_hooks: str = "auto", op: str = "region") -> Iterator[GatherPlan]:
     """Within the block, forwards of the model see full parameters on every rank.
 
-    Collective: every rank of the model's gather group must enter it together. ``mode``:
-    ``"auto"`` gathers the whole model if every rank has the memory (agreed), else layer-wise;
-    ``"all"`` / ``"layerwise"`` force one. ``layer_hooks`` picks who fetches layer by layer:
-    ``"auto"`` (DeepSpeed's hooks while they are live; hf_zero3's once DeepCompile removed them
-    or when no engine ever added them),
-    ``"deepspeed"`` or ``"hf_zero3"``. Outside ZeRO-3 it does nothing.
+    Collective: every rank of the model's gather group must enter it together (one tagged
+    agreement; ``op`` names it in errors). ``mode``: ``"auto"`` gathers the whole model if every
+    rank has the memory (agreed), else layer-wise; ``"all"`` / ``"layerwise"`` force one; parameters
+    someone already gathered on every rank are used as they are. ``layer_hooks`` picks who fetches
+    layer by layer: ``"auto"`` (DeepSpeed's hooks while they are live; hf_zero3's once DeepCompile
+    removed them or when no engine ever added them), ``"deepspeed"`` or ``"hf_zero3"``.
+    Outside ZeRO-3 it does nothing. ``group`` overrides the parameters' own gather group.
     """
-    if layer_hooks not in ("auto", "deepspeed", "hf_zero3"):
-        raise ValueError(f"layer_hooks must be 'auto', 'deepspeed' or 'hf_zero3', not {layer_hooks!r}")
     model = zero3.unwrap(model_or_engine)
     if not zero3.is_zero3_model(model):
         yield GatherPlan("none")
         return
-    outer = _ACTIVE.get(model)
-    if outer is not None:  # nested (generate inside an eval loop): the outer region serves
-        yield outer
+    rt = runtime_of(model_or_engine)
+    if rt.region is not None:  # nested (generate inside an eval loop): the outer region serves
+        yield rt.region.plan
         return
-    if group is None:
-        group = zero3.gather_group(model)
-    plan = _decide(model_or_engine, mode, group)
-    _ACTIVE[model] = plan
+    if group is not None:
+        rt._group = group
+    plan = _decide(rt, model, mode, layer_hooks, op)
     with contextlib.ExitStack() as stack:
-        stack.callback(_ACTIVE.pop, model, None)
+        rt.region = Region(plan)
+        stack.callback(setattr, rt, "region", None)
         if plan.deepcompile:
             stack.enter_context(compiled_calls_bypassed(model))
-        if plan.strategy == "all":
-            import deepspeed
-
-            params = zero3.zero3_params(model)
-            stack.enter_context(deepspeed.zero.GatheredParameters(params, modifier_rank=None))
+        if plan.strategy in ("all", "held"):
+            if plan.strategy == "all":
+                stack.enter_context(ds_up.gathered_parameters(zero3.zero3_params(model)))
             stack.enter_context(zero3.zero3_hooks_suspended(model_or_engine))
-        elif layer_hooks == "hf_zero3" or (layer_hooks == "auto" and not _deepspeed_hooks_live(
-                model_or_engine, plan)):
+        elif layer_hooks == "hf_zero3" or (layer_hooks == "auto" and (plan.deepcompile or rt.offload() is None)):
             # DeepCompile removed DeepSpeed's hooks (or no engine ever added them, as for a
             # model built under zero.Init alone): fetch layer by layer ourselves.
             stack.enter_context(zero3.zero3_hooks_suspended(model_or_engine))
@@ -137,60 +158,53 @@ def gathered_forwards(model_or_engine, mode: str = "auto", group=None,
         yield plan
 
 
-def _deepspeed_hooks_live(model_or_engine, plan: GatherPlan) -> bool:
-    return not plan.deepcompile and zero3.offload_of(model_or_engine) is not None
-
-
 @contextlib.contextmanager
 def compiled_calls_bypassed(model: nn.Module):
     """Run ``model`` (and any regionally compiled submodule) eagerly for the duration."""
     saved = []
     for m in model.modules():
-        impl = getattr(m, "_compiled_call_impl", None)
+        impl = torch_up.compiled_call(m)
         if impl is not None:
             saved.append((m, impl))
-            m._compiled_call_impl = None
+            torch_up.set_compiled_call(m, None)
     try:
         yield
     finally:
         for m, impl in saved:
-            m._compiled_call_impl = impl
+            torch_up.set_compiled_call(m, impl)
 
 
 @contextlib.contextmanager
 def layerwise_gather_hooks(model: nn.Module):
     """Our own eager ZeRO-3 fetch/release: each module gathers its direct parameters before its
-    forward and partitions them after. Every rank runs the same forwards, so the all-gathers come
-    in the same order on all of them."""
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-    handles = []
-
-    def params_of(module):
-        return [p for p in module.parameters(recurse=False) if zero3.is_zero3_param(p)]
+    forward and partitions them after, also when the forward raises (``always_call``). Every rank
+    runs the same forwards, so the all-gathers come in the same order on all of them. On exit,
+    anything still gathered is released and the depth counters are dropped."""
+    handles, depth = [], {}
+    owned = {m: [p for p in m.parameters(recurse=False) if zero3.is_zero3_param(p)] for m in model.modules()}
+    owned = {m: ps for m, ps in owned.items() if ps}
 
     def pre(module, args):
-        ps = [p for p in params_of(module) if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
-        if ps:
-            ps[0].all_gather(param_list=ps)
-        module._hf_zero3_depth = getattr(module, "_hf_zero3_depth", 0) + 1
+        ds_up.gather_now(owned[module])
+        depth[module] = depth.get(module, 0) + 1
 
     def post(module, args, output):
-        module._hf_zero3_depth -= 1
-        if module._hf_zero3_depth == 0:
-            ps = [p for p in params_of(module) if p.ds_status == ZeroParamStatus.AVAILABLE]
-            if ps:
-                ps[0].partition(param_list=ps, has_been_updated=False)
+        depth[module] = depth.get(module, 1) - 1
+        if depth[module] <= 0:
+            depth.pop(module, None)
+            ds_up.partition_now(owned[module])
 
-    for m in model.modules():
-        if params_of(m):
-            handles.append(m.register_forward_pre_hook(pre))
-            handles.append(m.register_forward_hook(post))
+    for m in owned:
+        handles.append(m.register_forward_pre_hook(pre))
+        handles.append(m.register_forward_hook(post, always_call=True))
     try:
         yield
     finally:
         for h in handles:
             h.remove()
+        for ps in owned.values():
+            ds_up.partition_now(ps)
+        depth.clear()
 
 
 # -- eval forwards -------------------------------------------------------------------------------
@@ -216,30 +230,34 @@ def eval_forward(model_or_engine, gather: str = "auto", group=None) -> Iterator[
     gathers the whole model once if every rank has the memory, else layer by layer; in the
     layer-wise case every rank must then run the same forwards. Harmless without ZeRO-3.
     """
-    with gathered_forwards(model_or_engine, gather, group) as plan:
+    from ._upstream.versions import require
+
+    require("core")
+    with gathered_forwards(model_or_engine, gather, group, op="eval_forward") as plan:
         yield plan
 
 
 def open_eval_region(model, gather: str = "auto") -> GatherPlan | None:
     """Open an eval region that stays open until :func:`close_eval_region` (Trainer eval loops,
     which have no "evaluation begins" event: the first eval forward opens it)."""
-    model = zero3.unwrap(model)
-    if active_plan(model) is not None:
-        return active_plan(model)
+    rt = runtime_of(model)
+    if rt.region is not None:
+        return rt.region.plan
     stack = contextlib.ExitStack()
-    plan = stack.enter_context(eval_forward(model, gather))
-    model._hf_zero3_eval_region = stack
-    model.hf_zero3_last_eval_plan = plan
+    plan = stack.enter_context(gathered_forwards(model, gather, op="eval_region"))
+    if rt.region is not None:  # ZeRO-3: keep the region (and its exit) on the runtime
+        rt.region.stack = stack
+    rt.last_eval_plan = plan
     return plan
 
 
 def close_eval_region(model) -> bool:
     """Release what :func:`open_eval_region` gathered; True if a region was open. Local only."""
-    model = zero3.unwrap(model)
-    stack = model.__dict__.pop("_hf_zero3_eval_region", None)
-    if stack is None:
+    rt = runtime_of(model, create=False)
+    region = rt.region if rt is not None else None
+    if region is None or region.stack is None:
         return False
-    stack.close()
+    region.stack.close()
     return True
 
 
@@ -247,30 +265,34 @@ class EvalGatherMixin:
     """Model-class refinement: eval forwards of a ZeRO-3 model gather parameters when needed.
 
     * A training forward (``train()`` mode with grad enabled) first closes any open eval region.
-    * With ``hf_zero3_eval_auto_region`` set (by :class:`~hf_zero3.Zero3Safe`), the first eval
-      forward opens a region that stays open for the rest of the eval loop.
-    * Otherwise an eval forward of a compiled ZeRO-3 model (DeepCompile) gets a region of its own.
+    * With the runtime's ``eval_auto_region`` set (by :class:`~hf_zero3.Zero3Safe`), the first
+      eval forward opens a region that stays open for the rest of the eval loop.
+    * Otherwise an eval forward of a compiled ZeRO-3 model (DeepCompile) gets a region of its own,
+      released when the forward returns or raises.
     """
 
-    hf_zero3_eval_auto_region: bool = False
-    hf_zero3_eval_gather: str = "auto"
+    @property
+    def hf_zero3_last_eval_plan(self) -> GatherPlan | None:
+        """The plan of the last eval region opened on this model."""
+        rt = runtime_of(self, create=False)
+        return rt.last_eval_plan if rt is not None else None
 
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling() or "_hf_zero3_in_call" in self.__dict__:
             return super().__call__(*args, **kwargs)
-        training = self.training and torch.is_grad_enabled()
-        if training:
+        rt = runtime_of(self)
+        if self.training and torch.is_grad_enabled():
             close_eval_region(self)
             return super().__call__(*args, **kwargs)
-        if active_plan(self) is not None or not zero3.is_zero3_model(self):
+        if rt.region is not None or not zero3.is_zero3_model(self):
             return super().__call__(*args, **kwargs)
-        if self.hf_zero3_eval_auto_region:
-            open_eval_region(self, self.hf_zero3_eval_gather)
+        if rt.eval_auto_region:
+            open_eval_region(self, rt.eval_gather)
             return super().__call__(*args, **kwargs)
-        if getattr(self, "_compiled_call_impl", None) is not None:
+        if torch_up.compiled_call(self) is not None:
             self.__dict__["_hf_zero3_in_call"] = True
             try:
-                with eval_forward(self, self.hf_zero3_eval_gather):
+                with eval_forward(self, rt.eval_gather):
                     return super().__call__(*args, **kwargs)
             finally:
                 self.__dict__.pop("_hf_zero3_in_call", None)

@@ -1,68 +1,48 @@
-"""Facts about a model or engine under ZeRO-3: the one module that reads DeepSpeed internals.
+"""Facts about a model or engine under ZeRO-3: partitioned? over which group? how big gathered?
 
-Everything else in hf_zero3 asks these questions through here (is a model partitioned, over which
-group, is DeepCompile active, where are the eager ZeRO-3 hooks), so a DeepSpeed upgrade that moves
-an attribute is mended in one file.
+Built on :mod:`hf_zero3._upstream.deepspeed` (the only reader of DeepSpeed's attributes) and the
+model's :class:`~hf_zero3.runtime.Runtime` (which knows its engine): no heap scans.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
-import weakref
 from collections import OrderedDict
 from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
 
+from ._upstream import deepspeed as ds_up
+
 __all__ = [
     "unwrap", "engine_of", "is_zero3_param", "is_zero3_model", "zero3_params", "gather_group",
-    "group_world_size", "group_ranks", "deepcompile_active", "deepcompile_enabled", "offload_of",
-    "zero3_hooks_suspended", "full_param_bytes", "device_of", "pending_optimizer_bytes",
-    "deepcompile_handle", "replace_pending_schedule", "deepcompile_supported",
+    "group_world_size", "group_ranks", "deepcompile_active", "zero3_hooks_suspended", "full_param_bytes",
+    "device_of",
 ]
 
-_ENGINES: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
+is_zero3_param = ds_up.is_zero3_param
 
 
 def unwrap(model_or_engine: Any) -> nn.Module:
-    """The Hugging Face model inside a DeepSpeed engine / PEFT wrapper chain (the module itself
-    for a plain model). PEFT models are returned as they are: their forward is the one to call."""
-    if _is_engine(model_or_engine):
-        _ENGINES[model_or_engine.module] = weakref.ref(model_or_engine)
-        return model_or_engine.module
+    """The module inside a DeepSpeed engine (the module itself otherwise; PEFT models stay as they
+    are: their forward is the one to call). Attaches the engine to the module's runtime."""
+    if ds_up.is_engine(model_or_engine):
+        from .runtime import runtime_of
+
+        runtime_of(model_or_engine)
+        return ds_up.engine_module(model_or_engine)
     return model_or_engine
 
 
 def engine_of(model_or_engine: Any):
-    """The ``DeepSpeedEngine`` that owns this model, or None if none was created (yet)."""
-    if _is_engine(model_or_engine):
+    """The ``DeepSpeedEngine`` of this model, if an entry point was handed it (None otherwise)."""
+    if ds_up.is_engine(model_or_engine):
         return model_or_engine
-    ref = _ENGINES.get(model_or_engine)
-    engine = ref() if ref is not None else None
-    if engine is not None:
-        return engine
-    for obj in _live_objects_named("DeepSpeedEngine"):
-        if _contains(getattr(obj, "module", None), model_or_engine):
-            _ENGINES[model_or_engine] = weakref.ref(obj)
-            return obj
-    return None
+    from .runtime import runtime_of
 
-
-def _contains(root, module) -> bool:
-    """``module`` is ``root`` or one of its submodules (a PEFT model's base model, say)."""
-    if root is None:
-        return False
-    return root is module or any(m is module for m in root.modules())
-
-
-def _is_engine(obj) -> bool:
-    return any(c.__name__ == "DeepSpeedEngine" for c in type(obj).__mro__)
-
-
-def is_zero3_param(p: torch.Tensor) -> bool:
-    return hasattr(p, "ds_id") and hasattr(p, "ds_tensor")
+    rt = runtime_of(model_or_engine, create=False)
+    return rt.engine if rt is not None else None
 
 
 def zero3_params(model: nn.Module) -> list[torch.nn.Parameter]:
@@ -77,15 +57,15 @@ def is_zero3_model(model: nn.Module) -> bool:
 def gather_group(model: nn.Module):
     """The process group the model's parameters are all-gathered over.
 
-    ZeRO-3 partitions each parameter over ``param.ds_process_group`` (the data-parallel group,
-    not necessarily WORLD). A model whose parameters use several groups (MoE experts) is refused:
-    decisions must be agreed by one group that every rank of every gather belongs to.
+    ZeRO-3 partitions each parameter over its data-parallel group (not necessarily WORLD). A model
+    whose parameters use several groups (MoE experts) is refused: decisions must be agreed by one
+    group that every rank of every gather belongs to.
     """
     import torch.distributed as dist
 
     groups = {}
     for p in zero3_params(model):
-        g = getattr(p, "ds_process_group", None)
+        g = ds_up.param_group(p)
         if g is None:
             g = dist.group.WORLD
         groups[id(g)] = g
@@ -116,47 +96,12 @@ def group_ranks(group) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group))
 
 
-def deepcompile_enabled(engine) -> bool:
-    """DeepCompile is switched on in the engine's config (``compile.deepcompile``)."""
-    fn = getattr(engine, "is_deepcompile_enabled", None)
-    return bool(fn()) if callable(fn) else False
-
-
 def deepcompile_active(model_or_engine) -> bool:
     """``engine.compile()`` has run with DeepCompile: the eager ZeRO-3 hooks are gone and the
-    compiled graph gathers parameters natively (invisible to ``param.ds_status``)."""
-    engine = engine_of(model_or_engine)
-    fn = getattr(engine, "is_deepcompile_active", None) if engine is not None else None
-    return bool(fn()) if callable(fn) else False
+    compiled graph gathers parameters natively."""
+    from .runtime import runtime_of
 
-
-def offload_of(model_or_engine):
-    """The ``DeepSpeedZeRoOffload`` that owns the model's eager ZeRO-3 hooks, or None.
-
-    An engine with a ZeRO-3 optimizer keeps it at ``optimizer.parameter_offload``; one built
-    without an optimizer (reference models) uses the offload object as its ``optimizer``.
-    """
-    engine = engine_of(model_or_engine)
-    if engine is not None:
-        opt = getattr(engine, "optimizer", None)
-        off = getattr(opt, "parameter_offload", None)
-        if off is not None:
-            return off
-        if opt is not None and type(opt).__name__ == "DeepSpeedZeRoOffload":
-            return opt
-    module = unwrap(model_or_engine)
-    for obj in _live_objects_named("DeepSpeedZeRoOffload"):
-        if _contains(getattr(obj, "module", None), module):
-            return obj
-    return None
-
-
-def _hook_ids(offload) -> set[int]:
-    handles = list(getattr(offload, "forward_hooks", [])) + list(getattr(offload, "backward_hooks", []))
-    pre = getattr(offload, "fwd_pre_hook", None)
-    if pre is not None:
-        handles.append(pre)
-    return {h.id for h in handles}
+    return runtime_of(model_or_engine).deepcompile_active()
 
 
 @contextlib.contextmanager
@@ -166,26 +111,27 @@ def zero3_hooks_suspended(model_or_engine) -> Iterator[bool]:
     Used while every parameter is already gathered (or gathered by our own layer hooks): the
     eager hooks would otherwise re-partition each layer right after it runs and re-gather it on
     the next call. The hooks are restored in their original order, with the same ids, so
-    DeepSpeed's trace and ``ds_id``s are untouched. Yields whether any hooks were live.
+    DeepSpeed's trace and ``ds_id``s are untouched, also when the block raises. Yields whether
+    any hooks were live.
     """
-    offload = offload_of(model_or_engine)
+    from .runtime import runtime_of
+
+    offload = runtime_of(model_or_engine).offload()
     if offload is None:
         yield False
         return
-    ids = _hook_ids(offload)
-    saved: list[tuple[nn.Module, str, OrderedDict]] = []
-    for m in offload.module.modules():
-        for attr in ("_forward_pre_hooks", "_forward_hooks"):
-            hooks = getattr(m, attr)
+    ids = ds_up.offload_hook_ids(offload)
+    saved: list[tuple[dict, OrderedDict]] = []
+    for m in ds_up.offload_module(offload).modules():
+        for _name, hooks in ds_up.module_hook_dicts(m):
             if any(k in ids for k in hooks):
-                saved.append((m, attr, OrderedDict(hooks)))
+                saved.append((hooks, OrderedDict(hooks)))
                 for k in [k for k in hooks if k in ids]:
                     del hooks[k]
     try:
         yield bool(saved)
     finally:
-        for m, attr, hooks in saved:
-            live = getattr(m, attr)
+        for live, hooks in saved:
             added = OrderedDict((k, v) for k, v in live.items() if k not in hooks)
             live.clear()
             live.update(hooks)
@@ -196,93 +142,13 @@ def full_param_bytes(model: nn.Module) -> int:
     """Bytes the model's parameters take when fully gathered on one rank."""
     total = 0
     for p in unwrap(model).parameters():
-        numel = getattr(p, "ds_numel", None) if is_zero3_param(p) else p.numel()
-        total += int(numel if numel is not None else p.numel()) * p.element_size()
+        numel = ds_up.param_full_numel(p) if is_zero3_param(p) else p.numel()
+        total += int(numel) * p.element_size()
     return total
 
 
 def device_of(model: nn.Module) -> torch.device:
     """Where the model computes (a partitioned parameter's shard lives there)."""
     for p in unwrap(model).parameters():
-        t = getattr(p, "ds_tensor", None)
-        return (t if t is not None else p).device
+        return (ds_up.param_shard(p) if is_zero3_param(p) else p).device
     return torch.device("cpu")
-
-
-def _live_objects_named(cls_name: str):
-    """Find DeepSpeed objects nothing points us to (a bare module after ``initialize``)."""
-    for obj in gc.get_objects():
-        try:
-            if type(obj).__name__ == cls_name:
-                yield obj
-        except ReferenceError:  # dead weakproxy
-            continue
-
-
-# --- DeepCompile internals (deepspeed.compile), read only here --------------------------------
-
-def deepcompile_supported() -> tuple[bool, str]:
-    """(supported, why not): DeepCompile needs a CUDA accelerator and torch >= 2.6."""
-    try:
-        from deepspeed.compile.util import is_deepcompile_supported
-    except ImportError as exc:
-        return False, f"this DeepSpeed has no DeepCompile ({exc}); pip install 'deepspeed>=0.18'"
-    if not is_deepcompile_supported():
-        return False, ("DeepCompile runs on CUDA only (DeepSpeed's accelerator here is "
-                       f"{_accelerator_name()!r}, torch {torch.__version__}); train without "
-                       "compile.deepcompile or on a CUDA machine")
-    return True, ""
-
-
-def _accelerator_name() -> str:
-    try:
-        from deepspeed.accelerator import get_accelerator
-
-        return get_accelerator().device_name()
-    except Exception:
-        return "unknown"
-
-
-def deepcompile_handle():
-    """DeepCompile's native module (``set_persistent`` lives there)."""
-    from deepspeed.compile.util import get_deepcompile_handle
-
-    return get_deepcompile_handle()
-
-
-def pending_optimizer_bytes(engine) -> int:
-    """Device bytes the optimizer will allocate at its first step and has not yet.
-
-    A plan made at step 0 (one compile instead of DeepSpeed's two) is profiled before Adam's
-    ``exp_avg``/``exp_avg_sq`` exist; they are fp32 and partitioned like the fp32 master weights,
-    so they are reserved from the budget here. 0 once the states exist, or when they live off the
-    engine's device (optimizer offload).
-    """
-    opt = getattr(engine, "optimizer", None)
-    inner = getattr(opt, "optimizer", None)
-    if inner is None or any(len(s) for s in getattr(inner, "state", {}).values()):
-        return 0
-    groups = getattr(opt, "fp32_partitioned_groups_flat", None) or []
-    device = torch.device(getattr(engine, "device", "cpu"))
-    on_device = [t for t in groups if isinstance(t, torch.Tensor) and t.device.type == device.type]
-    numel = sum(t.numel() for t in on_device)
-    name = type(inner).__name__.lower()
-    per_param = 2 if "adam" in name or "lamb" in name else 1
-    return numel * 4 * per_param
-
-
-def replace_pending_schedule(engine, schedule) -> bool:
-    """Swap the pass schedule of an engine that was compiled but has not run a compiled step yet
-    (accelerate calls ``engine.compile`` with no schedule). Returns False when it is too late."""
-    from deepspeed.compile import backend as dc_backend
-
-    if not getattr(engine, "is_compiled", False) or getattr(engine, "global_steps", 0) > 0:
-        return False
-    if dc_backend.profiling_results or getattr(dc_backend, "next_passes", None):
-        return False  # the first compiled forward already launched step 0's passes
-    from deepspeed.compile.passes.contract import validate_schedule
-
-    validate_schedule(schedule, dc_backend.opt_passes)
-    fns = [(step, [p if callable(p) else dc_backend.opt_passes[p] for p in passes]) for step, passes in schedule]
-    dc_backend.init_schedule(fns)
-    return True

@@ -58,9 +58,10 @@ def compute_budget(config: MemoryPlanConfig, state: MemoryState, reserved: int =
 
 def agree_budget(local: MemoryBudget, group=None) -> MemoryBudget:
     """The group's tightest budget (one all-reduce): every rank then plans against the same number."""
-    from hf_zero3.agree import all_max, all_min
+    from hf_zero3.agree import Tag, all_max, all_min
 
-    lo = all_min([local.budget, local.limit], group)
-    hi = all_max([local.non_pytorch, local.fragmentation, local.safety, local.reserved], group)
+    lo = all_min([local.budget, local.limit], group, Tag("memory_plan.budget"))
+    hi = all_max([local.non_pytorch, local.fragmentation, local.safety, local.reserved], group,
+                 Tag("memory_plan.budget"))
     return MemoryBudget(limit=lo[1], non_pytorch=hi[0], fragmentation=hi[1], safety=hi[2], reserved=hi[3],
                         budget=lo[0])

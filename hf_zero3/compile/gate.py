@@ -38,7 +38,9 @@ _STATE_FNS: dict[int, Callable[[], "MemoryState"]] = {}  # graph_id -> memory re
 
 
 def _dc_prefetch(graph_id: int, params: list, ids: list) -> None:
-    torch.ops.dc.prefetch_params_fused(graph_id, params, ids)
+    from hf_zero3._upstream.deepspeed import dc_prefetch_fused
+
+    dc_prefetch_fused(graph_id, params, ids)
 
 
 _ISSUE: list[Callable] = [_dc_prefetch]  # what the PyTorch fallback does to issue a prefetch
@@ -68,45 +70,22 @@ def decide(window_peak: int, launch: Sequence[int]) -> bool:
 
 
 def agree_drift(local_drift: int, group=None) -> int:
-    """The group's largest drift: one all-reduce, the only collective the gate adds per launch."""
-    from hf_zero3.agree import all_max
+    """The group's largest drift: one tagged agreement, the only collective the gate adds per launch
+    (over the gather group's gloo mirror, :func:`hf_zero3.agree.host_group`)."""
+    from hf_zero3.agree import Tag, all_max
 
-    return all_max([int(local_drift)], group)[0]
-
-
-_HOST_GROUPS: dict[tuple, object] = {}  # ranks -> gloo mirror of an NCCL gather group
+    return all_max([int(local_drift)], group, Tag("gate.launch"))[0]
 
 
 def host_group(group):
-    """The group to agree over without touching the GPU: ``group`` itself when its backend reduces
-    CPU tensors (gloo), else a gloo group over the same ranks, created once per rank set.
-
-    An NCCL all-reduce of a CUDA tensor read back with ``.tolist()`` waits for every kernel queued
-    before it, so agreeing at each graph launch would drain the stream twice a step and cost the
-    host its lead over the GPU on a launch-bound step. The drift is a host number; reducing it
-    on the host costs a loopback round trip and no stall.
-    Called at compile time, when every rank of the group compiles the same graph; other ranks
-    need not take part (``use_local_synchronization``).
-    """
+    """The gloo mirror agreements run over (see :func:`hf_zero3.agree.host_group`)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return group
-    if dist.get_backend(group) != "nccl":
-        return group
-    from hf_zero3.zero3 import group_ranks
+    from hf_zero3.agree import host_group as mirror
 
-    ranks = group_ranks(group)
-    if ranks not in _HOST_GROUPS:
-        try:
-            _HOST_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
-        except Exception as exc:  # gloo not built into this torch: agree over the group itself
-            import warnings
-
-            warnings.warn(f"hf_zero3: no gloo group for the prefetch gate's agreement ({exc}); agreeing over "
-                          f"NCCL, which waits for the GPU once per graph launch", RuntimeWarning, stacklevel=2)
-            _HOST_GROUPS[ranks] = group
-    return _HOST_GROUPS[ranks]
+    return mirror(group)
 
 
 def set_launch_group(graph_id: int, group, state_fn: Callable[[], "MemoryState"] | None = None) -> None:
@@ -177,8 +156,10 @@ def register_ops() -> None:
             lib.impl("gated_prefetch", lambda *a: None, "Meta")
         # Nothing consumes gated_prefetch's (absent) output: keep FX's and inductor's dead-code
         # elimination from dropping it (both consult _side_effectful_functions).
+        from hf_zero3._upstream.torch import mark_side_effectful
+
         for name in ("agree_launch", "gated_prefetch"):
-            torch.fx.node._side_effectful_functions.add(getattr(torch.ops.hf_zero3, name).default)
+            mark_side_effectful(getattr(torch.ops.hf_zero3, name).default)
         _LIB = lib
 
 

@@ -38,11 +38,10 @@ ZERO3_PASS = "zero3_compile"
 
 
 def pass_contract():
-    from deepspeed.compile.passes.contract import CAP_Z3_GATHER_RELEASE, PassContract
+    from hf_zero3._upstream.deepspeed import gather_release_contract
 
     # Reorders zero3_compile's all-gathers and sets persistence, as prefetch + selective_gather do.
-    return PassContract(requires=frozenset({CAP_Z3_GATHER_RELEASE}), conflicts_with=frozenset({"prefetch",
-                                                                                             "selective_gather"}))
+    return gather_release_contract(frozenset({"prefetch", "selective_gather"}))
 
 
 def memory_plan_schedule(config: MemoryPlanConfig) -> list:
@@ -79,8 +78,16 @@ class MemoryPlanPass:
 
         return (self.read_memory or memory_state)()
 
+    def group(self, prof):
+        """The engine's own gather group (its runtime's), else the profile's (CPU tests)."""
+        if self.engine is not None:
+            from hf_zero3.runtime import runtime_of
+
+            return runtime_of(self.engine).group
+        return getattr(prof, "process_group", None)
+
     def budget(self, group) -> MemoryBudget:
-        from hf_zero3.zero3 import pending_optimizer_bytes
+        from hf_zero3._upstream.deepspeed import pending_optimizer_bytes
 
         reserved = pending_optimizer_bytes(self.engine) if self.engine is not None else 0
         return agree_budget(compute_budget(self.config, self.memory(), reserved), group)
@@ -101,7 +108,7 @@ class MemoryPlanPass:
 
     def _plan(self, gm, graph_id, graph_order, profiling_results, bwd):
         prof = profiling_results[graph_id]
-        group = getattr(prof, "process_group", None)
+        group = self.group(prof)
         if not profile_complete(prof, bwd):  # DeepCompile agrees completeness across ranks
             log.warning("hf_zero3 memory plan: graph %s (%s) has an incomplete profile; left unplanned",
                         graph_id, "bwd" if bwd else "fwd")
@@ -113,9 +120,9 @@ class MemoryPlanPass:
         plan_budget = budget.budget if self.config.mode == "budget" else min(budget.budget, profile.peak)
         plan = plan_prefetch(profile, plan_budget, max_fuse_bytes=self.config.max_fuse_bytes,
                              coalesce=self.config.coalesce)
-        from hf_zero3.agree import all_equal
+        from hf_zero3.agree import Tag, all_equal
 
-        if not all_equal([plan.fingerprint(), len(plan.slots)], group):
+        if not all_equal([plan.fingerprint(), len(plan.slots)], group, Tag("memory_plan.plan")):
             raise PlanError(f"hf_zero3 memory plan: ranks built different plans for graph {graph_id} from agreed "
                             f"inputs; refusing to run (the all-gathers would be reordered). Please report this.")
         _rewrite(gm, profile, plan, graph_id, budget.gate_budget, gate=self.config.gate, group=group)
@@ -133,14 +140,15 @@ class MemoryPlanPass:
         return gm
 
     def _persist(self, profiling_results, group, budget: MemoryBudget) -> None:
-        from hf_zero3.agree import all_equal, all_max
-        from hf_zero3.zero3 import deepcompile_handle
+        from hf_zero3._upstream.deepspeed import deepcompile_handle, profile_all_peaks
+        from hf_zero3.agree import Tag, all_equal, all_max
 
         peaks = [r.plan.peak for r in self.records.values()]
         for pr in profiling_results.values():  # graphs re-profiled after their plan
-            peaks += [m[3] for m in (pr.fwd_mem or [])] + [m[3] for m in (pr.bwd_mem or [])]
+            peaks += profile_all_peaks(pr)
         now = self.memory()
-        peak = all_max([max(peaks, default=0), now.allocated + now.non_pytorch], group)  # profile units
+        tag = Tag("memory_plan.persist")
+        peak = all_max([max(peaks, default=0), now.allocated + now.non_pytorch], group, tag)  # profile units
         time_of, size_of = {}, {}
         for rec in self.records.values():
             for nd in rec.profile.nodes:
@@ -148,7 +156,7 @@ class MemoryPlanPass:
                     time_of[nd.ds_id] = time_of.get(nd.ds_id, 0.0) + nd.time
                     size_of[nd.ds_id] = nd.nbytes
         chosen = plan_persistence([(d, size_of[d], time_of[d]) for d in sorted(size_of)], max(peak), budget.budget)
-        if not all_equal([len(chosen), hash(chosen) & 0x7FFFFFFFFFFFFFFF], group):
+        if not all_equal([len(chosen), hash(chosen) & 0x7FFFFFFFFFFFFFFF], group, tag):
             raise PlanError("hf_zero3 memory plan: ranks chose different persistent parameters; refusing to run")
         persist = self.persist_fn or deepcompile_handle().set_persistent
         for ds_id in chosen:
@@ -223,7 +231,9 @@ def _rewrite(gm, profile: GraphProfile, plan: PrefetchPlan, graph_id: int, gate_
                                              (graph_id, params, list(slot.ds_ids), slot.nbytes, slot.window_peak,
                                               launch))
             else:
-                new = gm.graph.call_function(torch.ops.dc.prefetch_params_fused.default,
+                from hf_zero3._upstream.deepspeed import dc_prefetch_op
+
+                new = gm.graph.call_function(dc_prefetch_op(),
                                              (graph_id, params, list(slot.ds_ids)))
         _profile_meta(new)
     gm.graph.lint()
@@ -237,10 +247,55 @@ def _profile_meta(node) -> None:
         node.meta.setdefault(key, default)
 
 
+class _Dispatcher:
+    """The one callable registered under :data:`PASS_NAME`.
+
+    DeepCompile's pass table and schedule are process-wide (DeepSpeed 0.19.8): a second engine's
+    ``compile`` replaces the first one's schedule, so a pass bound to one engine would plan another
+    engine's graphs (a TRL reference or teacher model). This dispatcher hands each graph to the plan
+    of the engine whose parameters the graph takes (DeepSpeed parameter ids are process-unique).
+    """
+
+    def __init__(self):
+        self._plans: list = []  # weak references to MemoryPlanPass objects
+
+    def add(self, planner: "MemoryPlanPass") -> None:
+        import weakref
+
+        self._plans = [r for r in self._plans if r() is not None and r() is not planner] + [weakref.ref(planner)]
+
+    def route(self, param_manager, graph_id) -> "MemoryPlanPass | None":
+        from hf_zero3._upstream.deepspeed import graph_param_ids
+        from hf_zero3.runtime import runtime_of
+
+        plans = [p for p in (r() for r in self._plans) if p is not None]
+        ids = graph_param_ids(param_manager, graph_id) if param_manager is not None else set()
+        if ids:
+            owners = [p for p in plans if p.engine is not None and ids <= runtime_of(p.engine).param_ids()]
+            if len(owners) == 1:
+                return owners[0]
+        return plans[0] if len(plans) == 1 and not ids else None
+
+    def __call__(self, gm, graph_id, graph_order, profiling_results, create_inputs_fn, mem_budget, param_manager,
+                 bwd):
+        planner = self.route(param_manager, graph_id)
+        if planner is None:
+            log.error("hf_zero3 memory plan: graph %s belongs to no engine with a memory plan; left unplanned",
+                      graph_id)
+            return None
+        return planner(gm, graph_id, graph_order, profiling_results, create_inputs_fn, mem_budget, param_manager,
+                       bwd)
+
+
+_DISPATCHER = _Dispatcher()
+
+
 def engine_plan_config(engine) -> MemoryPlanConfig:
-    """The settings for ``engine``: what accelerate's prepare resolved, else its DeepSpeed config's
-    ``hf_zero3.memory_plan`` section (and ``HF_ZERO3_*``)."""
-    config = getattr(engine, "_hf_zero3_memory_plan_config", None)
+    """The settings for ``engine``: what accelerate's prepare resolved (kept on its runtime), else its
+    DeepSpeed config's ``hf_zero3.memory_plan`` section (and ``HF_ZERO3_*``)."""
+    from hf_zero3.runtime import runtime_of
+
+    config = runtime_of(engine).memory_plan_config
     if config is None:
         raw = getattr(engine, "config", None)
         config = MemoryPlanConfig.from_ds_config(raw if isinstance(raw, dict) else {})
@@ -249,58 +304,65 @@ def engine_plan_config(engine) -> MemoryPlanConfig:
 
 def plan_applies(engine, config: MemoryPlanConfig) -> bool:
     """The plan is on and the engine is a ZeRO-3 DeepCompile engine."""
-    from hf_zero3.zero3 import deepcompile_enabled
+    from hf_zero3._upstream.deepspeed import deepcompile_enabled, engine_zero_stage
 
-    return config.enabled and deepcompile_enabled(engine) and engine.zero_optimization_stage() == 3
+    return config.enabled and deepcompile_enabled(engine) and engine_zero_stage(engine) == 3
 
 
 def apply_memory_plan(engine, config: MemoryPlanConfig | None = None) -> tuple[MemoryPlanPass, list]:
-    """Register the memory-plan pass on ``engine``; returns (pass, schedule for engine.compile)."""
-    from hf_zero3.zero3 import deepcompile_enabled, deepcompile_supported
+    """Bind a memory-plan pass to ``engine`` (its runtime keeps it); returns (pass, schedule for
+    ``engine.compile``). Several engines in one process each keep their own plan."""
+    from hf_zero3._upstream.deepspeed import (deepcompile_enabled, deepcompile_supported, engine_zero_stage,
+                                              register_compile_pass)
+    from hf_zero3._upstream.versions import require
+    from hf_zero3.runtime import runtime_of
 
+    require("memory_plan")
     config = config or engine_plan_config(engine)
     ok, why = deepcompile_supported()
     if not ok:
         raise ConfigError(f"hf_zero3 memory plan needs DeepCompile, which is unavailable: {why}")
     if not deepcompile_enabled(engine):
         raise ConfigError('the DeepSpeed config does not enable DeepCompile; add "compile": {"deepcompile": true}')
-    if engine.zero_optimization_stage() != 3:
+    if engine_zero_stage(engine) != 3:
         raise ConfigError(f"the memory plan schedules ZeRO-3 all-gathers; this engine runs ZeRO stage "
-                          f"{engine.zero_optimization_stage()} (set zero_optimization.stage to 3)")
+                          f"{engine_zero_stage(engine)} (set zero_optimization.stage to 3)")
+    rt = runtime_of(engine)
     planner = MemoryPlanPass(config, engine)
-    engine.register_compile_pass(PASS_NAME, planner, pass_contract())
+    register_compile_pass(PASS_NAME, _DISPATCHER, pass_contract())
+    _DISPATCHER.add(planner)
     from hf_zero3.compile.gate import register_ops
 
     register_ops()
-    engine._hf_zero3_memory_plan = planner
-    _raise_plan_errors_from_forward(engine)
+    rt.memory_plan, rt.memory_plan_config = planner, config
+    _raise_plan_errors_from_forward(engine, rt)
     return planner, memory_plan_schedule(config)
 
 
-def _raise_plan_errors_from_forward(engine) -> None:
-    if getattr(engine, "_hf_zero3_forward_checked", False):
+def _raise_plan_errors_from_forward(engine, rt) -> None:
+    if getattr(engine.forward, "_hf_zero3_checks_plan", False):
         return
     forward = engine.forward
 
     def checked_forward(*args, **kwargs):
         out = forward(*args, **kwargs)
-        planner = getattr(engine, "_hf_zero3_memory_plan", None)
+        planner = rt.memory_plan
         if planner is not None and planner.error is not None:
             raise planner.error
         return out
 
+    checked_forward._hf_zero3_checks_plan = True
     engine.forward = checked_forward
-    engine._hf_zero3_forward_checked = True
 
 
 def compile_with_memory_plan(engine, config: MemoryPlanConfig | None = None, backend: str | None = None,
                              compile_kwargs: dict | None = None) -> MemoryPlanPass:
     """Register the pass and compile ``engine`` with its schedule. On an engine someone already
     compiled (accelerate) but that has not run a compiled step, the schedule is swapped in."""
-    from hf_zero3.zero3 import replace_pending_schedule
+    from hf_zero3._upstream.deepspeed import engine_is_compiled, replace_pending_schedule
 
     planner, schedule = apply_memory_plan(engine, config)
-    if getattr(engine, "is_compiled", False):
+    if engine_is_compiled(engine):
         if not replace_pending_schedule(engine, schedule):
             raise ConfigError("the engine was compiled and has already run compiled steps with another schedule; "
                               "apply the memory plan before the first training step")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
 from torch.fx import Graph
 
 from hf_zero3.compile.planner import (COMPUTE, GATHER, INPUT, OUTPUT, RELEASE, WAIT, GraphProfile, NodeProfile,
@@ -21,8 +20,10 @@ __all__ = ["node_kind", "profile_from_deepcompile", "agree_profile", "profile_co
 
 
 def _dc_ops():
-    dc = torch.ops.dc
-    return {dc.allgather_param.default: GATHER, dc.wait_allgather.default: WAIT, dc.release_param.default: RELEASE}
+    from hf_zero3._upstream.deepspeed import dc_gather_ops
+
+    kinds = {"gather": GATHER, "wait": WAIT, "release": RELEASE}
+    return {op: kinds[kind] for op, kind in dc_gather_ops().items()}
 
 
 def node_kind(node, ops=None) -> str:
@@ -41,26 +42,23 @@ def _ds_id(node, kind) -> int:
 
 
 def profile_meta_defaults() -> dict:
-    """The per-node metadata keys (with defaults) DeepCompile's profiler expects on every node."""
-    from deepspeed.compile.profilers.graph_profile import _PROFILE_META_DEFAULTS
+    from hf_zero3._upstream.deepspeed import profile_meta_defaults as defaults
 
-    return dict(_PROFILE_META_DEFAULTS)
+    return defaults()
 
 
 def profile_complete(prof, bwd: bool) -> bool:
-    from deepspeed.compile.profilers.graph_profile import is_profile_incomplete
+    from hf_zero3._upstream.deepspeed import profile_complete as complete
 
-    graph = prof.bwd_graph if bwd else prof.fwd_graph
-    complete = prof.bwd_mem_complete if bwd else prof.fwd_mem_complete
-    return graph is not None and complete and not is_profile_incomplete(graph)
+    return complete(prof, bwd)
 
 
 def profile_from_deepcompile(graph: Graph, prof, graph_id: int, bwd: bool, ops=None) -> GraphProfile:
     """Join ``graph``'s nodes with ``prof`` (a DeepCompile ``ProfilingResult``) by node name."""
+    from hf_zero3._upstream.deepspeed import profile_fields
+
     ops = ops if ops is not None else _dc_ops()
-    mem = prof.bwd_mem if bwd else prof.fwd_mem
-    times = prof.bwd_time if bwd else prof.fwd_time
-    sizes = prof.bwd_tensor_sizes if bwd else prof.fwd_tensor_sizes
+    _graph, mem, times, sizes = profile_fields(prof, bwd)
     if not mem:
         raise PlanError(f"graph {graph_id} has no memory profile; DeepCompile did not profile it "
                         f"(schedule the memory plan after 'zero3_compile' in the same step)")
@@ -81,16 +79,17 @@ def profile_from_deepcompile(graph: Graph, prof, graph_id: int, bwd: bool, ops=N
 
 def agree_profile(profile: GraphProfile, group=None) -> GraphProfile:
     """Element-wise maximum of peaks, allocations, sizes and times (ns) over ``group``."""
-    from hf_zero3.agree import all_equal, all_max
+    from hf_zero3.agree import Tag, all_equal, all_max
 
+    tag = Tag("memory_plan.profile", {"graph": "bwd" if profile.bwd else "fwd"})
     n = len(profile.nodes)
-    if not all_equal([n, sum(1 for x in profile.nodes if x.kind == GATHER)], group):
+    if not all_equal([n, sum(1 for x in profile.nodes if x.kind == GATHER)], group, tag):
         raise PlanError(f"graph {profile.graph_id}: ranks traced different graphs (node counts differ); "
                         f"every rank of the gather group must compile the same model and inputs")
     flat = []
     for x in profile.nodes:
         flat += [x.peak, x.alloc, x.nbytes, int(round(x.time * 1e9))]
-    agreed = all_max(flat, group)
+    agreed = all_max(flat, group, tag)
     nodes = tuple(
         replace(x, peak=agreed[4 * i], alloc=agreed[4 * i + 1], nbytes=agreed[4 * i + 2], time=agreed[4 * i + 3] / 1e9)
         for i, x in enumerate(profile.nodes))

@@ -9,12 +9,16 @@ Here the decoding loop of transformers (greedy, sampling, beam search) keeps run
 rank whose sequences are done (they get the pad token, the first EOS is kept), and the loop ends:
 
 * ``stop="sync"``: once no rank of the parameters' own gather group has unfinished sequences,
-  checked with one all-reduce every ``sync_every`` steps (so at most ``sync_every - 1`` extra
+  checked with one agreement every ``sync_every`` steps (so at most ``sync_every - 1`` extra
   forwards after the last rank's final EOS);
 * ``stop="fixed"``: after exactly ``max_new_tokens`` steps, with no per-step collective.
 
-``gather="auto"`` additionally gathers the whole model once per call when every rank has the
-memory, so no collective runs per token at all.
+Every call is agree-or-raise (:mod:`hf_zero3.agree`): after transformers has validated the
+arguments and before the first collective, the ranks agree on the options that must match
+(``stop``, ``sync_every``, ``gather``), the call count and the step budget; a rank whose
+validation failed enters that agreement with its error, and every rank raises it. An exception
+later in the call is shared at the next agreement (the next stop check or the call's end).
+``gather="auto"`` then gathers the whole model once per call when every rank has the memory.
 """
 
 from __future__ import annotations
@@ -25,8 +29,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .. import _compat, agree, zero3
+from .. import zero3
+from .._upstream import transformers as hf_up
+from .._upstream.versions import require
+from ..errors import RankDivergenceError, RankFailure
 from ..gathering import GATHER_MODES, EvalGatherMixin, gathered_forwards
+from ..runtime import runtime_of
 
 __all__ = ["LockstepConfig", "LockstepStats", "Zero3GenerationMixin", "lockstep",
            "lockstep_generate", "STOP_MODES"]
@@ -42,7 +50,7 @@ class LockstepConfig:
     Attributes:
         stop: ``"sync"`` (stop together once every rank is done) or ``"fixed"`` (always
             ``max_new_tokens`` steps).
-        sync_every: with ``stop="sync"``, steps between two agreement all-reduces.
+        sync_every: with ``stop="sync"``, steps between two agreements.
         gather: ``"auto"`` (whole model once per call if every rank has the memory, else layer by
             layer), ``"all"`` or ``"layerwise"``.
         group: process group to agree over; default: the parameters' own gather group.
@@ -56,11 +64,15 @@ class LockstepConfig:
     def validate(self) -> "LockstepConfig":
         if self.stop not in STOP_MODES:
             raise ValueError(f"stop must be one of {STOP_MODES}, not {self.stop!r}")
-        if not isinstance(self.sync_every, int) or self.sync_every < 1:
+        if isinstance(self.sync_every, bool) or not isinstance(self.sync_every, int) or self.sync_every < 1:
             raise ValueError(f"sync_every must be a positive int, not {self.sync_every!r}")
         if self.gather not in GATHER_MODES:
             raise ValueError(f"gather must be one of {GATHER_MODES}, not {self.gather!r}")
         return self
+
+    def options(self) -> dict:
+        """The settings every rank must share (they go into the call's agreement tag)."""
+        return {"stop": self.stop, "sync_every": self.sync_every, "gather": self.gather}
 
 
 @dataclass
@@ -69,21 +81,104 @@ class LockstepStats:
 
     forwards: int = 0          # decode forwards including the prefill
     steps_budget: int = 0      # agreed maximum number of steps
-    agreements: int = 0        # all-reduces issued by the stop logic
-    gather: str = "none"       # "all", "layerwise" or "none"
+    agreements: int = 0        # agreements issued by the call (begin, stop checks, end)
+    gather: str = "none"       # "all", "layerwise", "held" or "none"
     extra_forwards: int = 0    # forwards run after this rank's own sequences were done
     stop: str = "sync"
+    joined: bool = False       # this rank had no rows of its own (TRL call alignment)
 
 
-@dataclass
-class _LoopState:
-    cfg: LockstepConfig
-    group: Any
-    device: torch.device
-    stats: LockstepStats
-    budget: int | None = None
-    calls: int = 0
-    done_at: int | None = None
+class _Call:
+    """One lockstep ``generate()`` call: its agreements, its gathered region, its loop counters."""
+
+    def __init__(self, model: nn.Module, rt, cfg: LockstepConfig, group):
+        self.model, self.rt, self.cfg, self.group = model, rt, cfg, group
+        self.stats = LockstepStats(stop=cfg.stop, joined=rt.join is not None)
+        self.budget: int | None = None
+        self.calls = 0
+        self.done_at: int | None = None
+        self.phase = "validating"   # -> "encoding" (encoder-decoder) -> "decoding" -> "done"
+        self.region = None
+
+    def _agree(self, op: str, values=(), *, error=None, count=False) -> list[int]:
+        self.stats.agreements += 1
+        try:
+            return self.rt.agree(op, values, error=error, count=count, **self.cfg.options())
+        except (RankFailure, RankDivergenceError):
+            self.phase = "shared"   # every rank raises this one; nothing more to share
+            raise
+
+    def begin(self, error: BaseException | None = None, budget: int = 0) -> list[int]:
+        """The call's first agreement, before its first collective: options, call count, failures
+        (and, for a decoder-only model, the step budget); then the gathered region opens."""
+        agreed = self._agree("generate", [budget, -budget], error=error, count=True)
+        self.phase = "encoding"
+        self.region = gathered_forwards(zero3.engine_of(self.model) or self.model, self.cfg.gather,
+                                        self.group, op="generate.gather")
+        self.stats.gather = self.region.__enter__().strategy
+        return agreed
+
+    def validated(self, error: BaseException | None = None) -> None:
+        """Arguments fully checked (step budget known): agree the budget, then decode. One agreement
+        for a decoder-only call; encoder-decoder calls agreed at the encoder and add one here."""
+        budget = self.budget if self.budget is not None else 0
+        if self.phase == "validating":
+            hi, neg_lo = self.begin(error, budget)
+        else:
+            hi, neg_lo = self._agree("generate.budget", [budget, -budget], error=error)
+        if self.cfg.stop == "fixed" and hi != -neg_lo:
+            raise ValueError(  # identical on every rank: the agreed numbers decide
+                f"stop='fixed' needs the same number of steps on every rank, but this group's "
+                f"ranks have between {-neg_lo} and {hi} (max_length with unequal prompt "
+                "lengths?); pass max_new_tokens, or use stop='sync'")
+        self.budget = self.stats.steps_budget = hi
+        self.phase = "decoding"
+
+    def fail(self, exc: BaseException) -> None:
+        """This rank raised: hand the failure to the others at the agreement they wait in."""
+        if self.phase in ("shared", "done"):
+            return
+        if self.phase == "validating":
+            self._agree("generate", [0, 0], error=exc, count=True)
+        else:
+            self._agree("generate.abort", error=exc)
+
+    def end(self) -> None:
+        f = self.stats.forwards
+        hi, neg_lo = self._agree("generate.end", [f, -f])
+        self.phase = "done"
+        if hi != -neg_lo:
+            raise RankDivergenceError(f"hf_zero3: ranks ran between {-neg_lo} and {hi} decode forwards in one "
+                                      "lockstep generate() call; please report this")
+
+    def close(self) -> None:
+        if self.region is not None:
+            region, self.region = self.region, None
+            region.__exit__(None, None, None)
+
+    # -- the loop condition ---------------------------------------------------------------------
+    def keep_going(self, this_peer_finished: bool) -> bool:
+        # Call k comes before loop iteration k; iteration k runs forward k + 1 (the prefill is
+        # forward 1, before call 0). So stopping at call K means K forwards in all.
+        k = self.calls
+        self.calls += 1
+        if self.rt.join is not None:
+            this_peer_finished = True  # a joining rank's rows are placeholders
+        if this_peer_finished and self.done_at is None:
+            self.done_at = k
+        if k == 0:
+            return True
+        if k >= self.budget:
+            go = False  # every rank's budget is spent: known everywhere without a collective
+        elif self.cfg.stop == "fixed" or k % self.cfg.sync_every != 0:
+            go = True
+        else:
+            (unfinished,) = self._agree("generate.step", [0 if this_peer_finished else 1])
+            go = unfinished == 1
+        if not go:
+            self.stats.forwards = k
+            self.stats.extra_forwards = k - (self.done_at if self.done_at is not None else k)
+        return go
 
 
 class Zero3GenerationMixin:
@@ -95,82 +190,86 @@ class Zero3GenerationMixin:
     Without ZeRO-3 or with one rank it is plain ``generate()``.
     """
 
-    hf_zero3_lockstep_config: LockstepConfig = LockstepConfig()
-    hf_zero3_last_generate: LockstepStats | None = None
-    _hf_zero3_loop: _LoopState | None = None
+    @property
+    def hf_zero3_last_generate(self) -> LockstepStats | None:
+        """What the last lockstep ``generate()`` call did (None before the first)."""
+        rt = runtime_of(self, create=False)
+        return rt.last_generate if rt is not None else None
 
     def generate(self, *args, **kwargs):
         overrides = {k: kwargs.pop(k) for k in _LOCKSTEP_KWARGS if k in kwargs}
-        cfg = replace(self.hf_zero3_lockstep_config, **overrides).validate()
         if not zero3.is_zero3_model(self):
             return super().generate(*args, **kwargs)
-        group = cfg.group if cfg.group is not None else zero3.gather_group(self)
-        _check_group_matches(self, group)
-        if zero3.group_world_size(group) == 1 and cfg.gather == "auto":
+        rt = runtime_of(self)
+        error = None
+        try:
+            require("core")
+            cfg = replace(rt.lockstep or LockstepConfig(), **overrides).validate()
+            group = cfg.group if cfg.group is not None else rt.group
+            _check_group_matches(self, group)
+            hf_up.generation_hooks_present()
+            _refuse_rank_divergent_options(cfg, args, kwargs)
+        except Exception as exc:  # shared at the call's first agreement: every rank raises it
+            error, cfg, group = exc, LockstepConfig(), rt.group
+        if error is None and zero3.group_world_size(group) == 1 and cfg.gather == "auto":
             return super().generate(*args, **kwargs)
-        _compat.transformers_generation_hooks_present()
-        _refuse_rank_divergent_options(cfg, kwargs)
-        stats = LockstepStats(stop=cfg.stop)
-        engine_or_self = zero3.engine_of(self) or self
-        with gathered_forwards(engine_or_self, cfg.gather, group) as plan:
-            stats.gather = plan.strategy
-            self._hf_zero3_loop = _LoopState(cfg, group, agree.agreement_device(group), stats)
+        rt.enter("generate()")
+        try:
+            call = rt.loop = _Call(self, rt, cfg, group)
             try:
+                if error is not None:
+                    call.begin(error)
                 kwargs["synced_gpus"] = True  # keep forwards going on a finished rank
                 out = super().generate(*args, **kwargs)
+                call.end()
+            except BaseException as exc:
+                call.fail(exc)
+                raise
             finally:
-                self._hf_zero3_loop = None
-        self.hf_zero3_last_generate = stats
-        return out
+                rt.loop = None
+                call.close()
+            rt.last_generate = call.stats
+            self.__dict__["hf_zero3_last_generate"] = call.stats  # the report outlives lockstep_generate's class swap
+            return out
+        finally:
+            rt.leave()
 
-    # -- transformers hooks (see _compat.transformers_generation_hooks_present) ---------------
+    # -- transformers hooks (see hf_zero3._upstream.transformers.GENERATION_HOOKS) --------------
+    def _maybe_prepare_encoder_kwargs_for_generation(self, *args, **kwargs):
+        call = _call_of(self)
+        if call is not None and call.phase == "validating" and self.config.is_encoder_decoder:
+            call.begin()  # the encoder forward is the first collective of an encoder-decoder call
+        return super()._maybe_prepare_encoder_kwargs_for_generation(*args, **kwargs)
+
     def _prepare_generated_length(self, generation_config=None, *args, **kwargs):
         generation_config = super()._prepare_generated_length(generation_config, *args, **kwargs)
-        loop = self._hf_zero3_loop
-        if loop is not None:
-            input_len = kwargs["input_ids_length"] if "input_ids_length" in kwargs else args[3]
-            loop.budget = int(generation_config.max_length) - int(input_len)
-            if loop.budget < 1:
+        call = _call_of(self)
+        if call is not None:
+            input_len = hf_up.input_length_arg(args, kwargs)
+            call.budget = int(generation_config.max_length) - input_len
+            if call.budget < 1:
                 raise ValueError(
                     f"max_length ({generation_config.max_length}) leaves no room to generate after "
                     f"the {input_len}-token input; use max_new_tokens")
         return generation_config
 
+    def _get_stopping_criteria(self, *args, **kwargs):
+        criteria = super()._get_stopping_criteria(*args, **kwargs)  # transformers' last check
+        call = _call_of(self)
+        if call is not None:
+            call.validated()
+        return criteria
+
     def _has_unfinished_sequences(self, this_peer_finished, synced_gpus, device=None, **kwargs):
-        loop = self._hf_zero3_loop
-        if loop is None:
+        call = _call_of(self)
+        if call is None or call.phase != "decoding":
             return super()._has_unfinished_sequences(this_peer_finished, synced_gpus, device, **kwargs)
-        # Call k comes before loop iteration k; iterations k >= 1 each run one forward, after
-        # the prefill forward. So stopping at call K means K forwards in all.
-        k = loop.calls
-        loop.calls += 1
-        stats = loop.stats
-        if this_peer_finished and loop.done_at is None:
-            loop.done_at = k
-        if k == 0:
-            # Agree on the step budget: ranks can differ (max_length with unequal prompts).
-            budget = loop.budget if loop.budget is not None else 0
-            hi, neg_lo = agree.all_max([budget, -budget], loop.group)
-            stats.agreements += 1
-            if loop.cfg.stop == "fixed" and hi != -neg_lo:
-                raise ValueError(
-                    f"stop='fixed' needs the same number of steps on every rank, but this group's "
-                    f"ranks have between {-neg_lo} and {hi} (max_length with unequal prompt "
-                    "lengths?); pass max_new_tokens, or use stop='sync'")
-            loop.budget = stats.steps_budget = hi
-            return True
-        if k >= loop.budget:
-            go = False  # every rank's budget is spent: known everywhere without a collective
-        elif loop.cfg.stop == "fixed" or k % loop.cfg.sync_every != 0:
-            go = True
-        else:
-            (unfinished,) = agree.all_max([0 if this_peer_finished else 1], loop.group)
-            stats.agreements += 1
-            go = unfinished == 1
-        if not go:
-            stats.forwards = k
-            stats.extra_forwards = k - (loop.done_at if loop.done_at is not None else k)
-        return go
+        return call.keep_going(this_peer_finished)
+
+
+def _call_of(model) -> _Call | None:
+    rt = runtime_of(model, create=False)
+    return rt.loop if rt is not None else None
 
 
 def _check_group_matches(model, group) -> None:
@@ -190,7 +289,7 @@ def _check_group_matches(model, group) -> None:
             "Leave group=None to use the parameters' own group.")
 
 
-def _refuse_rank_divergent_options(cfg: LockstepConfig, kwargs: dict) -> None:
+def _refuse_rank_divergent_options(cfg: LockstepConfig, args: tuple, kwargs: dict) -> None:
     if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens"):
         raise ValueError(
             "assisted decoding is not supported under lockstep generation: its finished ranks keep "
@@ -202,30 +301,43 @@ def _refuse_rank_divergent_options(cfg: LockstepConfig, kwargs: dict) -> None:
             "max_time cannot shorten stop='fixed' generation (it always runs max_new_tokens steps "
             "on every rank); use stop='sync', where each rank's clock only finishes its own "
             "sequences and the group stops together")
+    inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs", kwargs.get("inputs_embeds")))
+    if isinstance(inputs, torch.Tensor) and inputs.dim() >= 1 and inputs.shape[0] == 0:
+        raise ValueError("generate() got an empty batch (0 rows) on this rank; every rank of a ZeRO-3 group "
+                         "must generate at least one row (pad the batch, or skip generate() on every rank)")
 
 
 _LOCKSTEP_CLASSES: dict[type, type] = {}
 
 
-def _lockstep_class(cls: type) -> type:
-    if issubclass(cls, Zero3GenerationMixin):
+def _lockstep_class(cls: type, generation: bool = True) -> type:
+    """``cls`` refined with EvalGatherMixin (always) and Zero3GenerationMixin (generation models).
+    Same name as the library class: ``save_pretrained`` records it in ``config.architectures``."""
+    mixins = ((Zero3GenerationMixin,) if generation else ()) + (EvalGatherMixin,)
+    if all(issubclass(cls, m) for m in mixins):
         return cls
-    if cls not in _LOCKSTEP_CLASSES:
-        # EvalGatherMixin rides along: eval forwards of a compiled ZeRO-3 model need it too.
-        # Same name as the library class: save_pretrained records it in config.architectures.
-        _LOCKSTEP_CLASSES[cls] = type(cls.__name__, (Zero3GenerationMixin, EvalGatherMixin, cls),
-                                      {"__module__": cls.__module__,
-                                       "__qualname__": cls.__qualname__})
-    return _LOCKSTEP_CLASSES[cls]
+    key = (cls, generation)
+    if key not in _LOCKSTEP_CLASSES:
+        bases = tuple(m for m in mixins if not issubclass(cls, m)) + (cls,)
+        _LOCKSTEP_CLASSES[key] = type(cls.__name__, bases, {"__module__": cls.__module__,
+                                                            "__qualname__": cls.__qualname__})
+    return _LOCKSTEP_CLASSES[key]
+
+
+def _base_module(obj) -> nn.Module:
+    """The module whose methods run: through an engine and PEFT wrappers."""
+    module = zero3.unwrap(obj)
+    get_base = getattr(module, "get_base_model", None)  # PEFT
+    return get_base() if callable(get_base) else module
+
+
+def is_generation_model(module: nn.Module) -> bool:
+    return hasattr(module, "_has_unfinished_sequences")
 
 
 def _generating_model(obj) -> nn.Module:
-    """The module whose ``GenerationMixin`` methods run: through an engine and PEFT wrappers."""
-    module = zero3.unwrap(obj)
-    get_base = getattr(module, "get_base_model", None)  # PEFT
-    if callable(get_base):
-        module = get_base()
-    if not hasattr(module, "_has_unfinished_sequences"):
+    module = _base_module(obj)
+    if not is_generation_model(module):
         raise TypeError(f"{type(module).__name__} is not a transformers generation model "
                         "(no GenerationMixin)")
     return module
@@ -236,12 +348,14 @@ def lockstep(model, *, stop: str = "sync", sync_every: int = 1, gather: str = "a
     """Make ``model.generate()`` run in lockstep under ZeRO-3, in place (no weights reloaded).
 
     ``model`` may be a transformers model, a PEFT-wrapped one, or a DeepSpeed engine (its
-    ``.module`` is changed). Returns ``model`` for chaining.
+    ``.module`` is changed). Returns ``model`` for chaining. Local: nothing is exchanged until the
+    next ``generate()``, whose first agreement checks every rank applied the same settings.
     """
+    require("core")
     target = _generating_model(model)
-    zero3.unwrap(model)  # remembers the engine of an engine's module
+    rt = runtime_of(model)
     target.__class__ = _lockstep_class(type(target))
-    target.hf_zero3_lockstep_config = LockstepConfig(stop, sync_every, gather, group).validate()
+    rt.lockstep = LockstepConfig(stop, sync_every, gather, group).validate()
     return model
 
 
@@ -249,16 +363,14 @@ def lockstep_generate(model, *, stop: str = "sync", sync_every: int = 1, gather:
                       group=None, **generate_kwargs):
     """``model.generate(**generate_kwargs)`` in lockstep, leaving ``model``'s class as it was.
 
-    ``model`` may be a transformers model, a PEFT model or a DeepSpeed engine.
+    ``model`` may be a transformers model, a PEFT model or a DeepSpeed engine. The settings are
+    checked inside the call, so a bad one on any rank makes every rank raise.
     """
     target = _generating_model(model)
-    saved = target.__class__, target.__dict__.get("hf_zero3_lockstep_config")
-    lockstep(model, stop=stop, sync_every=sync_every, gather=gather, group=group)
+    saved = target.__class__
+    target.__class__ = _lockstep_class(saved)
     try:
-        return zero3.unwrap(model).generate(**generate_kwargs)
+        return zero3.unwrap(model).generate(stop=stop, sync_every=sync_every, gather=gather, group=group,
+                                            **generate_kwargs)
     finally:
-        target.__class__ = saved[0]
-        if saved[1] is None:
-            target.__dict__.pop("hf_zero3_lockstep_config", None)
-        else:
-            target.hf_zero3_lockstep_config = saved[1]
+        target.__class__ = saved

@@ -115,11 +115,11 @@ def unsharded_copy(model):
 @contextlib.contextmanager
 def _without_hf_deepspeed_config():
     """Build a plain model while a ZeRO-3 ``HfDeepSpeedConfig`` is live in this process."""
-    from transformers.integrations import deepspeed as hf_ds
+    from hf_zero3._upstream.transformers import hf_deepspeed_config_ref, set_hf_deepspeed_config_ref
 
-    saved = hf_ds._hf_deepspeed_config_weak_ref
-    hf_ds._hf_deepspeed_config_weak_ref = None
+    saved = hf_deepspeed_config_ref()
+    set_hf_deepspeed_config_ref(None)
     try:
         yield
     finally:
-        hf_ds._hf_deepspeed_config_weak_ref = saved
+        set_hf_deepspeed_config_ref(saved)

@@ -1,30 +1,43 @@
-"""``Zero3Safe``: the one line a ``transformers.Trainer`` user adds.
+"""``Zero3Safe``: the one line a ``transformers.Trainer`` (or TRL trainer) user adds.
 
 ``Trainer(..., callbacks=[Zero3Safe()])`` makes evaluation, prediction, ``eval_on_start``,
-``Seq2SeqTrainer(predict_with_generate=True)`` and user ``model.generate()`` calls correct under
-DeepCompile ZeRO-3 and plain ZeRO-3, and does nothing under ZeRO-1/2 or without DeepSpeed.
+``Seq2SeqTrainer(predict_with_generate=True)``, user ``model.generate()`` calls and TRL's
+rollouts correct under DeepCompile ZeRO-3 and plain ZeRO-3, and does nothing under ZeRO-1/2 or
+without DeepSpeed.
 
 Trainer has no "evaluation begins" event, so the callback arms the model instead: the first eval
 forward opens a gathered region (agreed across ranks, see :mod:`hf_zero3.gathering`), and
 ``on_evaluate`` / ``on_predict`` / the next training step or forward close it, before the compiled
-training graph runs again.
+training graph runs again. The callback finds its Trainer when ``Trainer.__init__`` ends
+(``on_init_end``) and wraps that instance's ``evaluate``/``predict``: a call that raises on any
+rank releases its region at once and every rank raises the same error.
 
-Under DeepCompile ZeRO-3 it also enables hf_zero3's memory plan (:mod:`hf_zero3.compile`) in place
-of DeepSpeed's prefetch + selective_gather schedule, configured by the DeepSpeed config's
-``hf_zero3.memory_plan`` section; ``memory_plan=False`` keeps DeepSpeed's schedule.
+Under DeepCompile ZeRO-3 (read from the Trainer's DeepSpeed config) it also enables hf_zero3's
+memory plan (:mod:`hf_zero3.compile`) in place of DeepSpeed's prefetch + selective_gather
+schedule; ``memory_plan=False`` keeps DeepSpeed's schedule. On a TRL trainer it applies
+:func:`hf_zero3.trl.apply`.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import warnings
+import weakref
 
 from transformers import TrainerCallback
 
-from .. import _compat, zero3
+from .. import zero3
+from .._upstream import transformers as hf_up
+from .._upstream.versions import check_versions
+from ..errors import Zero3Error
 from ..gathering import GATHER_MODES, close_eval_region
-from ..generation.lockstep import STOP_MODES, lockstep
+from ..generation.lockstep import LockstepConfig, _base_module, _lockstep_class, is_generation_model
+from ..runtime import runtime_of
 
 __all__ = ["Zero3Safe"]
+
+log = logging.getLogger("hf_zero3.trainer")
 
 
 class Zero3Safe(TrainerCallback):
@@ -36,44 +49,91 @@ class Zero3Safe(TrainerCallback):
         stop: lockstep generation stop mode, ``"sync"`` or ``"fixed"``.
         sync_every: steps between stop agreements in ``"sync"`` mode.
         strict_versions: raise (instead of warn) when an installed library is older than supported.
-        memory_plan: install hf_zero3's DeepCompile memory plan (see :mod:`hf_zero3.compile`);
-            it must be constructed before the Trainer for the plan to reach ``engine.compile``.
+        memory_plan: under DeepCompile ZeRO-3, use hf_zero3's memory plan (see :mod:`hf_zero3.compile`).
+        trl: on a TRL trainer, apply :func:`hf_zero3.trl.apply` (reuse TRL's gathered model, align
+            generation calls across ranks).
     """
 
     def __init__(self, gather: str = "auto", stop: str = "sync", sync_every: int = 1,
-                 strict_versions: bool = False, memory_plan: bool = True):
+                 strict_versions: bool = False, memory_plan: bool = True, trl: bool = True):
         if gather not in GATHER_MODES:
             raise ValueError(f"gather must be one of {GATHER_MODES}, not {gather!r}")
-        if stop not in STOP_MODES:
-            raise ValueError(f"stop must be one of {STOP_MODES}, not {stop!r}")
-        self.gather, self.stop, self.sync_every = gather, stop, sync_every
-        problems = _compat.check_versions()
+        self.lockstep = LockstepConfig(stop, sync_every, gather).validate()
+        self.gather = gather
+        self.memory_plan, self.trl = memory_plan, trl
+        problems = check_versions("core")
         if problems:
             msg = "hf_zero3.Zero3Safe: " + "; ".join(problems)
             if strict_versions:
                 raise RuntimeError(msg)
             warnings.warn(msg, stacklevel=2)
+        self._trainer = None
         self._warned_uncompiled = False
-        if memory_plan:
+
+    @property
+    def trainer(self):
+        return self._trainer() if self._trainer is not None else None
+
+    # -- install -----------------------------------------------------------------------------
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        trainer = hf_up.trainer_calling_callback()
+        if trainer is not None:
+            self._trainer = weakref.ref(trainer)
+            self._wrap_eval_entry_points(trainer)
+            self._enable_memory_plan(trainer)
+        self._install(model)
+        if trainer is not None and self.trl and type(trainer).__module__.startswith("trl."):
+            from ..trl import apply
+
+            apply(trainer, zero3safe=self)
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self._install(model)
+        self._attach_engine()
+        self._check_compiled()
+
+    def _install(self, model) -> None:
+        """Lockstep generation on generation models; eval regions on every model (local)."""
+        if model is None:
+            return
+        target = _base_module(model)
+        generation = is_generation_model(target)
+        target.__class__ = _lockstep_class(type(target), generation=generation)
+        rt = runtime_of(model)
+        rt.eval_auto_region, rt.eval_gather = True, self.gather
+        if generation:
+            rt.lockstep = self.lockstep
+        elif not getattr(self, "_said_no_generate", False):
+            self._said_no_generate = True
+            log.info("hf_zero3.Zero3Safe: %s has no generate(); protecting its eval/predict forwards only",
+                     type(target).__name__)
+
+    def _attach_engine(self) -> None:
+        trainer = self.trainer
+        engine = hf_up.trainer_engine(trainer) if trainer is not None else None
+        if engine is not None:
+            runtime_of(engine)
+
+    def _enable_memory_plan(self, trainer) -> None:
+        """Install the memory plan's accelerate/DeepSpeed wrappers only for a DeepCompile ZeRO-3 run."""
+        if not self.memory_plan:
+            return
+        from ..accelerate.plugin import _wants_plan
+        from ..compile.config import SECTION
+
+        config = hf_up.trainer_deepspeed_config(trainer) or {}
+        if _wants_plan(config) or SECTION[0] in config:  # the plan, or our section's "auto"s to resolve
             from ..accelerate import enable_memory_plan
 
             enable_memory_plan()
 
-    # -- install -----------------------------------------------------------------------------
-    def _install(self, model) -> None:
-        if model is None or not hasattr(model, "generate"):
-            return
-        lockstep(model, stop=self.stop, sync_every=self.sync_every, gather=self.gather)
-        target = _target(model)
-        target.hf_zero3_eval_auto_region = zero3.is_zero3_model(target)
-        target.hf_zero3_eval_gather = self.gather
-
-    def on_init_end(self, args, state, control, model=None, **kwargs):
-        self._install(model)
-
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self._install(model)
-        self._check_compiled(model)
+    def _wrap_eval_entry_points(self, trainer) -> None:
+        """``evaluate``/``predict`` on this Trainer instance: release the region and share a failure."""
+        for name in ("evaluate", "predict"):
+            original = getattr(trainer, name)
+            if getattr(original, "_hf_zero3_wrapped", False):
+                continue
+            setattr(trainer, name, _collective_entry(self, name, original))
 
     # -- release gathered parameters before training runs again -------------------------------
     def on_step_begin(self, args, state, control, model=None, **kwargs):
@@ -88,11 +148,14 @@ class Zero3Safe(TrainerCallback):
     def on_train_end(self, args, state, control, model=None, **kwargs):
         _close(model)
 
-    def _check_compiled(self, model) -> None:
-        engine = zero3.engine_of(model) if model is not None else None
+    def _check_compiled(self) -> None:
+        trainer = self.trainer
+        engine = hf_up.trainer_engine(trainer) if trainer is not None else None
         if engine is None or self._warned_uncompiled:
             return
-        if zero3.deepcompile_enabled(engine) and not zero3.deepcompile_active(engine):
+        from .._upstream import deepspeed as ds_up
+
+        if ds_up.deepcompile_enabled(engine) and not ds_up.deepcompile_active(engine):
             self._warned_uncompiled = True
             warnings.warn(
                 "DeepCompile is enabled in the DeepSpeed config (compile.deepcompile=true) but the "
@@ -101,17 +164,35 @@ class Zero3Safe(TrainerCallback):
                 "engine.compile().", stacklevel=2)
 
 
-def _target(model):
-    from ..generation.lockstep import _generating_model
+def _collective_entry(callback: Zero3Safe, name: str, original):
+    """Wrap ``Trainer.evaluate``/``predict``: on return or exception the eval region is released
+    (local), and under ZeRO-3 the ranks agree the call ended, so one rank's failure is every rank's
+    (an error hf_zero3 already shared is raised as it is)."""
 
-    return _generating_model(model)
+    @functools.wraps(original)
+    def entry(*args, **kwargs):
+        trainer = callback.trainer
+        error = None
+        try:
+            return original(*args, **kwargs)
+        except Exception as exc:
+            error = exc
+            raise
+        finally:
+            model = getattr(trainer, "model", None) if trainer is not None else None
+            _close(model)
+            callback._attach_engine()
+            if model is not None and zero3.is_zero3_model(model) and not isinstance(error, Zero3Error):
+                rt = runtime_of(model)
+                if error is None:
+                    rt.agree(f"trainer.{name}.end")
+                else:  # raises the shared failure (chained to ours) on every rank
+                    rt.agree(f"trainer.{name}.end", error=error)
+
+    entry._hf_zero3_wrapped = True
+    return entry
 
 
 def _close(model) -> None:
-    if model is None:
-        return
-    try:
-        target = _target(model)
-    except TypeError:  # not a generation model: Zero3Safe installed nothing on it
-        return
-    close_eval_region(target)
+    if model is not None:
+        close_eval_region(model)

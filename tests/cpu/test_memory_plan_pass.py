@@ -50,11 +50,12 @@ def _pass_rank(limit_slack: int):
             def forward(self, x):
                 return x
 
+        from types import SimpleNamespace
+
         from hf_zero3.compile.memory_plan import _raise_plan_errors_from_forward
 
         engine = Engine()
-        engine._hf_zero3_memory_plan = plan_pass
-        _raise_plan_errors_from_forward(engine)
+        _raise_plan_errors_from_forward(engine, SimpleNamespace(memory_plan=plan_pass))
         try:
             engine.forward(1)
         except Exception as exc:  # noqa: BLE001

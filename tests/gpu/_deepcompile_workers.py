@@ -163,6 +163,7 @@ def trainer_deepcompile(tmpdir: str, with_zero3safe: bool):
     import torch.distributed as dist
     from transformers import Trainer, TrainingArguments
 
+    import hf_zero3
     from hf_zero3 import Zero3Safe
     from hf_zero3.testing import mark, models
 
@@ -196,5 +197,5 @@ def trainer_deepcompile(tmpdir: str, with_zero3safe: bool):
     trainer.train()
     evals = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    planner = getattr(trainer.model_wrapped, "_hf_zero3_memory_plan", None)
+    planner = hf_zero3.runtime_of(trainer.model_wrapped).memory_plan
     return dict(evals=evals, losses=losses, plan=planner.summary() if planner else None)

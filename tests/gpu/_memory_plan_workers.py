@@ -62,6 +62,7 @@ def accelerate_plugin(steps: int = 3):
     from accelerate import Accelerator
     from accelerate.utils import DummyOptim
 
+    import hf_zero3
     from hf_zero3 import Zero3DeepSpeedPlugin
     from hf_zero3.testing import models
 
@@ -80,6 +81,6 @@ def accelerate_plugin(steps: int = 3):
         loss = engine(input_ids=ids, labels=ids).loss
         accelerator.backward(loss)  # accelerate's DeepSpeed wrapper also steps the engine
         losses.append(float(loss.item()))
-    planner = getattr(engine, "_hf_zero3_memory_plan", None)
+    planner = hf_zero3.runtime_of(engine).memory_plan
     return dict(compiled=bool(engine.is_compiled), losses=losses,
                 plan=planner.summary() if planner else None)

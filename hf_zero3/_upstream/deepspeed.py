@@ -1,0 +1,306 @@
+"""DeepSpeed internals hf_zero3 reads: ZeRO-3 parameter attributes, the engine, the eager hooks'
+owner, and DeepCompile's module-level state.
+
+Checked against DeepSpeed 0.19.8 (``CHECKED``); each accessor has a contract test in
+``tests/cpu/test_upstream_contracts.py`` (DeepCompile's on CUDA only, in ``tests/gpu``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+
+CHECKED = "deepspeed 0.19.8"
+
+# --- ZeRO-3 parameters (attributes DeepSpeed sets on each partitioned parameter) ----------------
+
+
+def is_zero3_param(p: torch.Tensor) -> bool:
+    return hasattr(p, "ds_id") and hasattr(p, "ds_tensor")
+
+
+def param_group(p):
+    """The process group ``p`` is all-gathered over (None: WORLD)."""
+    return getattr(p, "ds_process_group", None)
+
+
+def param_full_numel(p) -> int:
+    return int(p.ds_numel)
+
+
+def param_shard(p) -> torch.Tensor:
+    return p.ds_tensor
+
+
+def param_id(p) -> int:
+    """DeepSpeed's process-wide parameter id (``Init.param_id`` counter: unique across models)."""
+    return int(p.ds_id)
+
+
+def param_available(p) -> bool:
+    """Gathered on this rank right now (by an engine hook, ``GatheredParameters`` or TRL)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return p.ds_status == ZeroParamStatus.AVAILABLE
+
+
+def gather_now(params: list) -> None:
+    """All-gather ``params`` (a collective over their group); partitioned ones only."""
+    todo = [p for p in params if not param_available(p)]
+    if todo:
+        todo[0].all_gather(param_list=todo)
+
+
+def partition_now(params: list) -> None:
+    """Release gathered ``params`` back to their shards (local: no collective)."""
+    done = [p for p in params if param_available(p)]
+    if done:
+        done[0].partition(param_list=done, has_been_updated=False)
+
+
+def gathered_parameters(params: list):
+    """``deepspeed.zero.GatheredParameters`` for reading (no modifier rank: no broadcast on exit)."""
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+
+# --- the engine ---------------------------------------------------------------------------------
+
+
+def is_engine(obj) -> bool:
+    return any(c.__name__ == "DeepSpeedEngine" for c in type(obj).__mro__)
+
+
+def engine_module(engine) -> nn.Module:
+    return engine.module
+
+
+def engine_global_steps(engine) -> int:
+    return int(getattr(engine, "global_steps", 0) or 0)
+
+
+def engine_zero_stage(engine) -> int:
+    return int(engine.zero_optimization_stage())
+
+
+def deepcompile_enabled(engine) -> bool:
+    """DeepCompile is switched on in the engine's config (``compile.deepcompile``)."""
+    fn = getattr(engine, "is_deepcompile_enabled", None)
+    return bool(fn()) if callable(fn) else False
+
+
+def deepcompile_active(engine) -> bool:
+    """``engine.compile()`` ran with DeepCompile: the eager ZeRO-3 hooks are gone and the compiled
+    graph gathers parameters natively (invisible to ``ds_status``)."""
+    fn = getattr(engine, "is_deepcompile_active", None)
+    return bool(fn()) if callable(fn) else False
+
+
+def engine_is_compiled(engine) -> bool:
+    return bool(getattr(engine, "is_compiled", False))
+
+
+def engine_offload(engine):
+    """The ``DeepSpeedZeRoOffload`` owning the engine's eager ZeRO-3 hooks, or None. An engine with a
+    ZeRO-3 optimizer keeps it at ``optimizer.parameter_offload``; one built without an optimizer
+    (reference models) uses the offload object as its ``optimizer``."""
+    opt = getattr(engine, "optimizer", None)
+    off = getattr(opt, "parameter_offload", None)
+    if off is not None:
+        return off
+    if opt is not None and type(opt).__name__ == "DeepSpeedZeRoOffload":
+        return opt
+    return None
+
+
+def offload_from_module_hooks(module: nn.Module):
+    """The ``DeepSpeedZeRoOffload`` whose eager hooks sit on ``module`` (found through the closure of
+    its ``_start_of_forward_hook``), or None. Lets a bare module handed to ``deepspeed.initialize``
+    be served without a reference to its engine and without scanning the heap."""
+    for hook in list(module._forward_pre_hooks.values()):
+        found = _closure_object(hook, "DeepSpeedZeRoOffload", depth=3)
+        if found is not None and getattr(found, "module", None) is module:
+            return found
+    return None
+
+
+def _closure_object(fn, cls_name: str, depth: int):
+    if depth < 0:
+        return None
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # empty cell
+            continue
+        if type(value).__name__ == cls_name:
+            return value
+        if callable(value):
+            found = _closure_object(value, cls_name, depth - 1)
+            if found is not None:
+                return found
+    return None
+
+
+def offload_module(offload) -> nn.Module:
+    return offload.module
+
+
+def offload_hook_ids(offload) -> set[int]:
+    """Ids of the hook handles DeepSpeed registered for its eager fetch/release."""
+    handles = list(getattr(offload, "forward_hooks", [])) + list(getattr(offload, "backward_hooks", []))
+    pre = getattr(offload, "fwd_pre_hook", None)
+    if pre is not None:
+        handles.append(pre)
+    return {h.id for h in handles}
+
+
+def module_hook_dicts(module: nn.Module) -> Iterator[tuple[str, dict]]:
+    """torch's per-module hook tables the eager ZeRO-3 hooks live in."""
+    yield "_forward_pre_hooks", module._forward_pre_hooks
+    yield "_forward_hooks", module._forward_hooks
+
+
+def pending_optimizer_bytes(engine) -> int:
+    """Device bytes the optimizer will allocate at its first step and has not yet.
+
+    A plan made at step 0 is profiled before Adam's ``exp_avg``/``exp_avg_sq`` exist; they are fp32
+    and partitioned like the fp32 master weights. 0 once the states exist, or when they live off
+    the engine's device (optimizer offload).
+    """
+    opt = getattr(engine, "optimizer", None)
+    inner = getattr(opt, "optimizer", None)
+    if inner is None or any(len(s) for s in getattr(inner, "state", {}).values()):
+        return 0
+    groups = getattr(opt, "fp32_partitioned_groups_flat", None) or []
+    device = torch.device(getattr(engine, "device", "cpu"))
+    on_device = [t for t in groups if isinstance(t, torch.Tensor) and t.device.type == device.type]
+    numel = sum(t.numel() for t in on_device)
+    name = type(inner).__name__.lower()
+    per_param = 2 if "adam" in name or "lamb" in name else 1
+    return numel * 4 * per_param
+
+
+# --- DeepCompile (deepspeed.compile) ------------------------------------------------------------
+
+
+def deepcompile_supported() -> tuple[bool, str]:
+    """(supported, why not): DeepCompile needs a CUDA accelerator and torch >= 2.6."""
+    try:
+        from deepspeed.compile.util import is_deepcompile_supported
+    except ImportError as exc:
+        return False, f"this DeepSpeed has no DeepCompile ({exc}); pip install 'deepspeed>=0.19.8'"
+    if not is_deepcompile_supported():
+        return False, ("DeepCompile runs on CUDA only (DeepSpeed's accelerator here is "
+                       f"{_accelerator_name()!r}, torch {torch.__version__}); train without "
+                       "compile.deepcompile or on a CUDA machine")
+    return True, ""
+
+
+def _accelerator_name() -> str:
+    try:
+        from deepspeed.accelerator import get_accelerator
+
+        return get_accelerator().device_name()
+    except Exception:
+        return "unknown"
+
+
+def deepcompile_handle():
+    """DeepCompile's native module (``set_persistent`` lives there)."""
+    from deepspeed.compile.util import get_deepcompile_handle
+
+    return get_deepcompile_handle()
+
+
+def register_compile_pass(name: str, fn, contract) -> None:
+    """Put ``fn`` in DeepCompile's process-wide pass table under ``name``."""
+    from deepspeed.compile.backend import register_compile_pass as register
+
+    register(name, fn, contract)
+
+
+def gather_release_contract(conflicts: frozenset):
+    """A ``PassContract`` for a pass that reorders zero3_compile's all-gathers."""
+    from deepspeed.compile.passes.contract import CAP_Z3_GATHER_RELEASE, PassContract
+
+    return PassContract(requires=frozenset({CAP_Z3_GATHER_RELEASE}), conflicts_with=conflicts)
+
+
+def graph_param_ids(param_manager, graph_id) -> set[int]:
+    """DeepSpeed parameter ids (``ds_id``) of the parameters a compiled graph takes as inputs."""
+    manager = param_manager.get(graph_id) if hasattr(param_manager, "get") else None
+    if manager is None:
+        return set()
+    return {int(i) for i in manager.ds_ids.values()}
+
+
+def replace_pending_schedule(engine, schedule) -> bool:
+    """Swap the pass schedule of an engine that was compiled but has not run a compiled step yet
+    (accelerate calls ``engine.compile`` with no schedule). Returns False when it is too late."""
+    from deepspeed.compile import backend as dc_backend
+
+    if not engine_is_compiled(engine) or engine_global_steps(engine) > 0:
+        return False
+    if dc_backend.profiling_results or getattr(dc_backend, "next_passes", None):
+        return False  # the first compiled forward already launched step 0's passes
+    from deepspeed.compile.passes.contract import validate_schedule
+
+    validate_schedule(schedule, dc_backend.opt_passes)
+    fns = [(step, [p if callable(p) else dc_backend.opt_passes[p] for p in passes]) for step, passes in schedule]
+    dc_backend.init_schedule(fns)
+    return True
+
+
+def dc_gather_ops() -> dict:
+    """DeepCompile's gather / wait / release ops (FX targets) by kind name."""
+    dc = torch.ops.dc
+    return {dc.allgather_param.default: "gather", dc.wait_allgather.default: "wait",
+            dc.release_param.default: "release"}
+
+
+def dc_prefetch_fused(graph_id: int, params: list, ids: list) -> None:
+    torch.ops.dc.prefetch_params_fused(graph_id, params, ids)
+
+
+def dc_prefetch_op():
+    return torch.ops.dc.prefetch_params_fused.default
+
+
+def profile_meta_defaults() -> dict:
+    """The per-node metadata keys (with defaults) DeepCompile's profiler expects on every node."""
+    from deepspeed.compile.profilers.graph_profile import _PROFILE_META_DEFAULTS
+
+    return dict(_PROFILE_META_DEFAULTS)
+
+
+def profile_complete(prof, bwd: bool) -> bool:
+    from deepspeed.compile.profilers.graph_profile import is_profile_incomplete
+
+    graph = prof.bwd_graph if bwd else prof.fwd_graph
+    complete = prof.bwd_mem_complete if bwd else prof.fwd_mem_complete
+    return graph is not None and complete and not is_profile_incomplete(graph)
+
+
+def profile_fields(prof, bwd: bool) -> tuple[Any, list, list, list]:
+    """(graph, mem, time, tensor sizes) of a DeepCompile ``ProfilingResult`` for one direction."""
+    if bwd:
+        return prof.bwd_graph, prof.bwd_mem, prof.bwd_time, prof.bwd_tensor_sizes
+    return prof.fwd_graph, prof.fwd_mem, prof.fwd_time, prof.fwd_tensor_sizes
+
+
+def profile_all_peaks(prof) -> list[int]:
+    return [m[3] for m in (prof.fwd_mem or [])] + [m[3] for m in (prof.bwd_mem or [])]
+
+
+# --- DeepSpeed's rollout engine (deepspeed.runtime.rollout) ------------------------------------
+
+
+def hybrid_rollout_module(rollout) -> nn.Module:
+    return rollout.engine.module
+
+
+def hybrid_rollout_tokenizer(rollout):
+    return rollout.tokenizer

@@ -1,0 +1,55 @@
+"""torch internals hf_zero3 reads. Checked against torch 2.11 (CUDA) and 2.13 (CPU)."""
+
+from __future__ import annotations
+
+import torch
+
+CHECKED = "torch 2.11.0+cu130, 2.13.0+cpu"
+
+
+def cuda_memory_fraction(device: torch.device) -> float:
+    """The per-process cap set by ``torch.cuda.set_per_process_memory_fraction`` (1.0 if none).
+
+    torch < 2.9 has no getter; treat it as uncapped there.
+    """
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if getter is None:
+        return 1.0
+    try:
+        return float(getter(device))
+    except Exception:
+        return 1.0
+
+
+def default_store():
+    """The c10d store every rank joined through (the agreement diagnostics write positions there)."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+def group_timeout(group):
+    """A process group's collective timeout (a ``timedelta``), or None when it cannot be read."""
+    import torch.distributed as dist
+
+    group = group if group is not None else dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except Exception:
+            continue
+    return None
+
+
+def compiled_call(module: torch.nn.Module):
+    """The in-place compiled ``__call__`` set by ``nn.Module.compile`` (None: not compiled)."""
+    return getattr(module, "_compiled_call_impl", None)
+
+
+def set_compiled_call(module: torch.nn.Module, impl) -> None:
+    module._compiled_call_impl = impl
+
+
+def mark_side_effectful(op) -> None:
+    """Keep FX's and inductor's dead-code elimination from dropping ``op`` (output unused)."""
+    torch.fx.node._side_effectful_functions.add(op)

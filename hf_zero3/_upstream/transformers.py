@@ -1,0 +1,85 @@
+"""transformers internals hf_zero3 relies on. Checked against transformers 5.23.0 (``CHECKED``).
+
+Lockstep generation overrides private ``GenerationMixin`` methods that every decoding loop of
+transformers 5.x goes through; the Trainer callback finds its ``Trainer`` from the
+``on_init_end`` call (a callback is handed no reference to it).
+"""
+
+from __future__ import annotations
+
+import sys
+
+CHECKED = "transformers 5.23.0"
+
+#: GenerationMixin methods lockstep generation overrides, in the order generate() calls them:
+#: the encoder forward of encoder-decoder models (the first forward), where ``max_length`` is
+#: fixed, the last validation before decoding, and the loop condition (whose ``synced_gpus``
+#: branch all-reduces over WORLD every step).
+GENERATION_HOOKS = ("_maybe_prepare_encoder_kwargs_for_generation", "_prepare_generated_length",
+                    "_get_stopping_criteria", "_has_unfinished_sequences")
+
+
+def generation_hooks_present() -> None:
+    """Refuse to run, naming the fix, if a release removed a method lockstep generation needs."""
+    from transformers.generation.utils import GenerationMixin
+
+    missing = [n for n in GENERATION_HOOKS if not hasattr(GenerationMixin, n)]
+    if missing:
+        import transformers
+
+        raise RuntimeError(
+            f"hf_zero3 lockstep generation needs GenerationMixin.{', '.join(missing)}, which "
+            f"transformers {transformers.__version__} no longer has; install a tested release "
+            f"(transformers==5.23.0) or upgrade hf_zero3.")
+
+
+def input_length_arg(args: tuple, kwargs: dict) -> int:
+    """``input_ids_length`` as ``_prepare_generated_length`` receives it (keyword or 4th positional)."""
+    return int(kwargs["input_ids_length"] if "input_ids_length" in kwargs else args[3])
+
+
+def trainer_calling_callback(max_depth: int = 8):
+    """The ``transformers.Trainer`` whose ``__init__`` is running the current callback event.
+
+    ``Trainer.__init__`` ends with ``self.callback_handler.on_init_end(...)``; walking up from the
+    callback finds that frame's ``self``. None when called from anywhere else.
+    """
+    from transformers import Trainer
+
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        frame = frame.f_back
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, Trainer):
+            return owner
+    return None
+
+
+def trainer_engine(trainer):
+    """The DeepSpeed engine a Trainer trains (``model_wrapped`` after ``accelerator.prepare``)."""
+    from .deepspeed import is_engine
+
+    wrapped = getattr(trainer, "model_wrapped", None)
+    return wrapped if wrapped is not None and is_engine(wrapped) else None
+
+
+def trainer_deepspeed_config(trainer) -> dict | None:
+    """The DeepSpeed config dict a Trainer will hand to ``deepspeed.initialize`` (None: no DeepSpeed)."""
+    plugin = getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "deepspeed_plugin", None)
+    config = getattr(plugin, "deepspeed_config", None)
+    return config if isinstance(config, dict) else None
+
+
+def hf_deepspeed_config_ref():
+    """transformers' process-wide weak reference to the live ``HfDeepSpeedConfig`` (tests swap it)."""
+    from transformers.integrations import deepspeed as hf_ds
+
+    return hf_ds._hf_deepspeed_config_weak_ref
+
+
+def set_hf_deepspeed_config_ref(ref) -> None:
+    from transformers.integrations import deepspeed as hf_ds
+
+    hf_ds._hf_deepspeed_config_weak_ref = ref

@@ -1,0 +1,186 @@
+"""One :class:`Runtime` per ZeRO-3 model (and its DeepSpeed engine): everything hf_zero3 keeps about it.
+
+The runtime owns the model's gather group, its lockstep and eval settings, the gathered region
+open on it, its memory plan, the call counter its agreements are tagged with, and the report of
+the last ``generate()``. It is attached explicitly, as the one attribute ``hf_zero3_runtime`` on
+the engine, the module it wraps and (for PEFT) the base model that generates, by whichever entry
+point first sees them (``lockstep``, ``eval_forward``, ``Zero3Safe``, the memory plan, the TRL
+adapter). Nothing is found by scanning the heap: a bare module handed to ``deepspeed.initialize``
+is served through the eager hooks DeepSpeed put on it (:mod:`hf_zero3._upstream.deepspeed`).
+
+A copied or pickled model does not take its runtime along (the copy gets its own on first use).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import torch.nn as nn
+
+from . import agree
+from ._upstream import deepspeed as ds_up
+from ._upstream import torch as torch_up
+
+__all__ = ["Runtime", "runtime_of", "ATTR"]
+
+ATTR = "hf_zero3_runtime"
+_CREATE_LOCK = threading.Lock()
+
+
+def _detached():
+    return None
+
+
+class Runtime:
+    """hf_zero3's state for one ZeRO-3 model; see the module docstring."""
+
+    def __init__(self, model: nn.Module, engine=None):
+        self._model = weakref.ref(model)
+        self._engine = weakref.ref(engine) if engine is not None else None
+        self._group: Any = None
+        self.counter = 0                 # call-level agreements so far (tags carry it)
+        self.lockstep = None             # LockstepConfig once lockstep() was applied
+        self.loop = None                 # the running lockstep generate() call's loop state
+        self.last_generate = None        # LockstepStats of the last generate() call
+        self.eval_auto_region = False    # Zero3Safe: the first eval forward opens a region
+        self.eval_gather = "auto"
+        self.region = None               # the gathered region open on the model (gathering.Region)
+        self.last_eval_plan = None
+        self.memory_plan = None          # MemoryPlanPass bound to this engine
+        self.memory_plan_config = None
+        self.join = None                 # TRL call alignment: this rank only joins others' calls
+        self._busy = threading.Lock()    # one hf_zero3 collective operation at a time per model
+        self._busy_owner: str | None = None
+
+    # copies of a model (TRL reference models are deep copies) get their own runtime on first use
+    def __reduce__(self):
+        return (_detached, ())
+
+    def __deepcopy__(self, memo):
+        return None
+
+    def __repr__(self) -> str:
+        model = self.model
+        return (f"Runtime({type(model).__name__ if model is not None else '<dead>'}, "
+                f"engine={'yes' if self.engine is not None else 'no'}, calls={self.counter})")
+
+    # -- what the runtime serves --------------------------------------------------------------
+    @property
+    def model(self) -> nn.Module | None:
+        return self._model()
+
+    @property
+    def engine(self):
+        return self._engine() if self._engine is not None else None
+
+    def attach_engine(self, engine) -> None:
+        if engine is not None and self.engine is not engine:
+            self._engine = weakref.ref(engine)
+            engine.__dict__[ATTR] = self
+
+    @property
+    def group(self):
+        """The process group the model's parameters are all-gathered over (see :func:`zero3.gather_group`)."""
+        if self._group is None:
+            from . import zero3
+
+            self._group = zero3.gather_group(self.model)
+        return self._group
+
+    @property
+    def step(self) -> int:
+        engine = self.engine
+        return ds_up.engine_global_steps(engine) if engine is not None else 0
+
+    def offload(self):
+        """The owner of the eager ZeRO-3 hooks (None once DeepCompile removed them, or without an engine)."""
+        engine = self.engine
+        if engine is not None:
+            return ds_up.engine_offload(engine)
+        return ds_up.offload_from_module_hooks(self.model)
+
+    def deepcompile_active(self) -> bool:
+        """The model's forward is DeepCompile's graph, which gathers parameters natively."""
+        engine = self.engine
+        if engine is not None:
+            return ds_up.deepcompile_active(engine)
+        model = self.model
+        # a bare module of a compiled engine: compiled in place, no eager hooks left
+        return torch_up.compiled_call(model) is not None and ds_up.offload_from_module_hooks(model) is None
+
+    def param_ids(self) -> frozenset[int]:
+        """DeepSpeed ids of the model's ZeRO-3 parameters (the memory-plan pass routes graphs by them)."""
+        from . import zero3
+
+        return frozenset(ds_up.param_id(p) for p in zero3.zero3_params(self.model))
+
+    # -- tagged agreements --------------------------------------------------------------------
+    def model_key(self) -> int:
+        """Equal on every rank for the same model, different for two models of one process (policy
+        and reference): the first DeepSpeed parameter id (a process-wide counter, advanced in the
+        same order on every rank that builds the same models)."""
+        ids = self.param_ids()
+        return min(ids) if ids else -1
+
+    def tag(self, op: str, *, count: bool = True, **options) -> agree.Tag:
+        """The tag of this model's next agreement (``count``: a call-level one, numbered)."""
+        if count:
+            self.counter += 1
+        return agree.Tag(op, {"model": self.model_key(), **options}, self.counter, self.step)
+
+    def agree(self, op: str, values=(), *, error: BaseException | None = None, count: bool = True,
+              record: bool | None = None, **options) -> list[int]:
+        """A tagged agree-or-raise over this model's gather group (see :func:`hf_zero3.agree.agree`)."""
+        tag = self.tag(op, count=count, **options)
+        return agree.agree(tag, self.group, values, error=error, record=count if record is None else record)
+
+    # -- one collective operation at a time ---------------------------------------------------
+    def enter(self, what: str) -> None:
+        """Refuse a second hf_zero3 operation on this model while one runs in another thread (their
+        collectives would interleave in a different order on each rank)."""
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(
+                f"hf_zero3: {what} was called while {self._busy_owner} is still running on this model in "
+                "another thread; ZeRO-3 collectives of one model must not overlap. Serialize the calls "
+                "(one generating thread per model on every rank).")
+        self._busy_owner = f"{what} (thread {threading.current_thread().name})"
+
+    def leave(self) -> None:
+        self._busy_owner = None
+        self._busy.release()
+
+
+def _targets(obj) -> tuple[Any, list[nn.Module]]:
+    """(engine or None, the modules the runtime is attached to: engine.module, PEFT base models)."""
+    engine = obj if ds_up.is_engine(obj) else None
+    module = ds_up.engine_module(engine) if engine is not None else obj
+    chain = [module]
+    get_base = getattr(module, "get_base_model", None)  # PEFT
+    if callable(get_base):
+        base = get_base()
+        if base is not module:
+            chain.append(base)
+    return engine, chain
+
+
+def runtime_of(obj, create: bool = True) -> Runtime | None:
+    """The runtime of a model, PEFT model or DeepSpeed engine (attached on first use when ``create``)."""
+    if obj is None:
+        return None
+    direct = obj.__dict__.get(ATTR) if hasattr(obj, "__dict__") else None
+    if direct is not None and (not ds_up.is_engine(obj) or direct.engine is obj):
+        return direct
+    engine, chain = _targets(obj)
+    with _CREATE_LOCK:
+        rt = next((m.__dict__.get(ATTR) for m in chain if m.__dict__.get(ATTR) is not None), None)
+        if rt is None:
+            if not create:
+                return None
+            rt = Runtime(chain[0], engine)
+        for m in chain:
+            m.__dict__[ATTR] = rt
+        if engine is not None:
+            rt.attach_engine(engine)
+    return rt
