@@ -121,21 +121,28 @@ def zero3_hooks_suspended(model_or_engine) -> Iterator[bool]:
         yield False
         return
     ids = ds_up.offload_hook_ids(offload)
-    saved: list[tuple[dict, OrderedDict]] = []
+    saved: list[tuple[dict, list, dict]] = []  # (live table, original key order, removed DS hooks)
     for m in ds_up.offload_module(offload).modules():
         for _name, hooks in ds_up.module_hook_dicts(m):
             if any(k in ids for k in hooks):
-                saved.append((hooks, OrderedDict(hooks)))
-                for k in [k for k in hooks if k in ids]:
+                removed = {k: hooks[k] for k in hooks if k in ids}
+                saved.append((hooks, list(hooks), removed))
+                for k in removed:
                     del hooks[k]
     try:
         yield bool(saved)
     finally:
-        for live, hooks in saved:
-            added = OrderedDict((k, v) for k, v in live.items() if k not in hooks)
+        for live, order, removed in saved:
+            # DeepSpeed's hooks go back where they were; hooks removed meanwhile stay removed, hooks
+            # added meanwhile stay, after the original ones
+            current = OrderedDict(live)
             live.clear()
-            live.update(hooks)
-            live.update(added)  # keep hooks that someone registered meanwhile
+            for k in order:
+                if k in removed:
+                    live[k] = removed[k]
+                elif k in current:
+                    live[k] = current.pop(k)
+            live.update(current)
 
 
 def full_param_bytes(model: nn.Module) -> int:
