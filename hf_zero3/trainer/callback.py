@@ -29,6 +29,7 @@ from transformers import TrainerCallback
 
 from .. import zero3
 from .._upstream import transformers as hf_up
+from .._upstream import trl as trl_up
 from .._upstream.versions import check_versions
 from ..errors import Zero3Error
 from ..gathering import GATHER_MODES, close_eval_region
@@ -77,15 +78,23 @@ class Zero3Safe(TrainerCallback):
     # -- install -----------------------------------------------------------------------------
     def on_init_end(self, args, state, control, model=None, **kwargs):
         trainer = hf_up.trainer_calling_callback()
-        if trainer is not None:
-            self._trainer = weakref.ref(trainer)
-            self._wrap_eval_entry_points(trainer)
-            self._enable_memory_plan(trainer)
-        self._install(model)
-        if trainer is not None and self.trl and type(trainer).__module__.startswith("trl."):
+        if trainer is None:
+            self._install(model)
+            return
+        self.bind(trainer, model)
+        if self.trl and trl_up.is_trl_trainer(trainer):
             from ..trl import apply
 
             apply(trainer, zero3safe=self)
+
+    def bind(self, trainer, model=None) -> None:
+        """Serve ``trainer`` (done by ``on_init_end``; :func:`hf_zero3.trl.apply` calls it for a
+        callback added after construction): wrap its ``evaluate``/``predict``, enable the memory
+        plan for a DeepCompile ZeRO-3 config, and install on its model. Local."""
+        self._trainer = weakref.ref(trainer)
+        self._wrap_eval_entry_points(trainer)
+        self._enable_memory_plan(trainer)
+        self._install(model if model is not None else trainer.model)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._install(model)

@@ -1,0 +1,65 @@
+"""TRL internals the TRL adapter relies on. Checked against trl 1.16.0 (``CHECKED``).
+
+GRPO and ``DistillationTrainer`` run a tool loop (``_tool_call_loop``) whose rounds of
+``_generate_single_turn`` depend on the rank's own completions; GKD draws
+``random.random() <= self.lmbda`` per rank in ``training_step``; ``LogCompletionsCallback`` and
+``WeaveCallback`` split prompts unevenly across ranks and call the module-level
+``trl.trainer.callbacks._generate_completions``.
+"""
+
+from __future__ import annotations
+
+CHECKED = "trl 1.16.0"
+
+TOOL_LOOP = "_tool_call_loop"
+SINGLE_TURN = "_generate_single_turn"
+GENERATE_COMPLETIONS = ("trl.trainer.callbacks", "_generate_completions")
+
+
+def is_trl_trainer(trainer) -> bool:
+    return type(trainer).__module__.startswith("trl.")
+
+
+def has_tool_loop(trainer) -> bool:
+    """GRPO / DistillationTrainer: a tool loop that regenerates per rank."""
+    return callable(getattr(trainer, TOOL_LOOP, None)) and callable(getattr(trainer, SINGLE_TURN, None))
+
+
+def uses_vllm(trainer) -> bool:
+    return bool(getattr(trainer, "use_vllm", False))
+
+
+def uses_continuous_batching(trainer) -> bool:
+    return bool(getattr(trainer, "use_transformers_continuous_batching", False))
+
+
+def gathers_for_generation(trainer) -> bool:
+    return bool(getattr(getattr(trainer, "args", None), "ds3_gather_for_generation", True))
+
+
+def single_turn_placeholder_args(trainer, eos_id: int) -> tuple[tuple, dict]:
+    """Arguments of a one-row ``_generate_single_turn`` call whose output is thrown away."""
+    import inspect
+
+    params = inspect.signature(getattr(trainer, SINGLE_TURN)).parameters
+    kwargs = {"num_generations": 1} if "num_generations" in params else {}
+    return ([[int(eos_id)]], None, {}), kwargs
+
+
+def tokenizer_of(trainer):
+    """The text tokenizer of a TRL trainer (``_tokenizer`` on GRPO, else ``processing_class``)."""
+    tok = getattr(trainer, "_tokenizer", None) or getattr(trainer, "processing_class", None)
+    return getattr(tok, "tokenizer", tok)  # a processor wraps its tokenizer
+
+
+def per_rank_draw_trainer(trainer) -> bool:
+    """GKD: ``training_step`` draws ``random.random() <= self.lmbda`` on each rank unshared. (Checked
+    by class: ``on_init_end`` runs before GKD's ``__init__`` sets ``lmbda``.)"""
+    return any(c.__module__.startswith("trl.experimental.gkd") and c.__name__ == "GKDTrainer"
+               for c in type(trainer).__mro__)
+
+
+def completion_logging_callbacks(trainer) -> list:
+    """Callbacks that generate with ``_generate_completions`` on an uneven split of prompts."""
+    names = ("LogCompletionsCallback", "WeaveCallback")
+    return [cb for cb in trainer.callback_handler.callbacks if type(cb).__name__ in names]

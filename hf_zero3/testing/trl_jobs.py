@@ -1,0 +1,338 @@
+"""Tiny but real TRL trainers under strict ZeRO-3, built on every rank of a gloo group.
+
+Each builder returns a ready trainer with TRL's default arguments except what a tiny CPU run
+needs (batch sizes, completion length, a few steps, no bf16, no saving or reporting) and with
+:func:`~hf_zero3.testing.configs.trainer_zero3_config` as its DeepSpeed config. Each ``run_*``
+function builds one, trains it and returns plain data, ready for
+``run_ranks(run_grpo, 2, args=(tmpdir,), init="deepspeed")``.
+
+Nothing is downloaded: :func:`tiny_tokenizer` is a byte-level tokenizer with TRL's Qwen2.5 chat
+template (so TRL recognises it and parses tool calls), and the models are tiny Qwen2s.
+
+Ranks are made to diverge on purpose with :class:`RankScript`, a per-rank script that
+:class:`ScriptedQwen2ForCausalLM` adds to every ``generate()`` call as a logits processor (TRL
+has no way to pass a logits processor through its configs, so the model class carries it):
+
+* ``"eos"``: rank 0's rows end at their 2nd generated token, the other ranks never emit EOS.
+* ``"tool"``: rank 0's rows emit :data:`TOOL_CALL` (a call of :func:`ping`) and then EOS, and end
+  at once after the tool's answer; the other ranks' rows can never open a tool call. Rank 0 thus
+  runs one more ``generate()`` (the post-tool turn) than the others in TRL's tool loop.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList, Qwen2ForCausalLM, TrainerCallback
+
+from . import models
+from .configs import trainer_zero3_config
+
+#: The completion rank 0 is forced to produce under ``RankScript("tool")``.
+TOOL_CALL = '<tool_call>{"name":"ping","arguments":{}}</tool_call>'
+
+_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2: pad, bos, eos
+_MARKUP = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>",
+           "</think>"]  # plain added tokens, as in Qwen2.5's vocabulary
+_PROMPTS = ["Say hi.", "Count to 3.", "Name a color.", "Add 2 and 2.", "Spell cat.",
+            "Pick a number.", "Say bye.", "Name a fruit."]
+
+
+def tiny_tokenizer():
+    """A byte-level BPE tokenizer (no merges: 256 bytes plus chat tokens) with Qwen2.5's template.
+
+    ``pad``/``bos``/``eos`` are ``<|endoftext|>``/``<|im_start|>``/``<|im_end|>`` with ids 0/1/2,
+    as in :func:`~hf_zero3.testing.models.tiny_qwen2_config`; ``len(tokenizer)`` is the vocab size.
+    The chat template is TRL's stored Qwen2.5 template verbatim, which TRL recognises: it adds the
+    Qwen response parser for tool calls and finds the template prefix-preserving.
+    """
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {tok: i for i, tok in enumerate(_SPECIAL + _MARKUP + alphabet)}
+    backend = Tokenizer(BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(_SPECIAL)
+    backend.add_tokens(_MARKUP)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token=_SPECIAL[0], bos_token=_SPECIAL[1],
+        eos_token=_SPECIAL[2], chat_template=qwen2_5_chat_template)
+
+
+def ping() -> str:
+    """Answer with pong."""
+    return "pong"
+
+
+def length_reward(completions, **kwargs) -> list[float]:
+    """A GRPO reward: shorter completions score higher."""
+    return [-len(str(c)) / 100.0 for c in completions]
+
+
+class RankScript:
+    """A per-rank decoding script (see the module docstring for ``mode``).
+
+    ``processor(prompt_ids)`` returns a fresh ``LogitsProcessor`` for one ``generate()`` call: at
+    generated step ``k`` it either forces a row's planned token (all other logits ``-inf``) or bans
+    that row's banned tokens. Plans are per row and follow the row's prompt, so the post-tool turn
+    (its prompt holds ``<tool_response>``) gets a different plan from the first turn.
+    """
+
+    def __init__(self, mode: str, tokenizer):
+        if mode not in ("eos", "tool"):
+            raise ValueError(f"mode must be 'eos' or 'tool', not {mode!r}")
+        self.mode = mode
+        self.eos = tokenizer.eos_token_id
+        self.call_open = tokenizer.convert_tokens_to_ids("<tool_call>")
+        self.tool_response = tokenizer.convert_tokens_to_ids("<tool_response>")
+        self.call_ids = tokenizer(TOOL_CALL, add_special_tokens=False)["input_ids"]
+
+    def plan(self, prompt_row: list[int], rank: int) -> tuple[list, list[int]]:
+        """``(forced, banned)`` for one row: ``forced[k]`` is step ``k``'s token (``None``: free)."""
+        if self.mode == "eos":
+            return ([None, self.eos], [self.eos]) if rank == 0 else ([], [self.eos])
+        if rank != 0:
+            return [], [self.call_open]
+        if self.tool_response in prompt_row:  # rank 0's post-tool turn: stop at once
+            return [self.eos], []
+        return self.call_ids + [self.eos], []
+
+    def processor(self, prompt_ids: torch.Tensor) -> LogitsProcessor:
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return _Scripted(self, rank, prompt_ids.shape[1])
+
+
+class _Scripted(LogitsProcessor):
+    def __init__(self, script: RankScript, rank: int, prompt_len: int):
+        self.script, self.rank, self.prompt_len = script, rank, prompt_len
+        self.plans = None
+
+    def __call__(self, input_ids, scores):
+        if self.plans is None:  # from the first step's rows: they may outnumber the prompts
+            self.plans = [self.script.plan(row[: self.prompt_len].tolist(), self.rank)
+                          for row in input_ids]
+        step = input_ids.shape[1] - self.prompt_len
+        for row, (forced, banned) in enumerate(self.plans):
+            if step < len(forced) and forced[step] is not None:
+                scores[row] = float("-inf")
+                scores[row, forced[step]] = 0.0
+            elif banned:
+                scores[row, banned] = float("-inf")
+        return scores
+
+
+class ScriptedQwen2ForCausalLM(Qwen2ForCausalLM):
+    """Qwen2 whose ``generate()`` follows ``self.script`` (a :class:`RankScript` or ``None``) and
+    counts its calls and the forwards they run in ``self.generate_stats``."""
+
+    script: RankScript | None = None
+    generate_stats: dict | None = None
+
+    def generate(self, *args, **kwargs):
+        stats = self.generate_stats
+        if stats is None:
+            stats = self.generate_stats = {"calls": 0, "forwards": 0}
+        stats["calls"] += 1
+        if self.script is not None:
+            prompt_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+            kwargs["logits_processor"] = LogitsProcessorList(
+                [*(kwargs.get("logits_processor") or []), self.script.processor(prompt_ids)])
+
+        def count(*_):
+            stats["forwards"] += 1
+
+        handle = self.register_forward_pre_hook(count)
+        try:
+            return super().generate(*args, **kwargs)
+        finally:
+            handle.remove()
+
+
+def _model(tokenizer, *, script: str | None = None, teacher: bool = False, seed: int = 0):
+    """A tiny Qwen2 (student: scripted; teacher: plain) matching ``tokenizer``.
+
+    Call after the trainer's config exists: its live ``HfDeepSpeedConfig`` makes transformers
+    build the model inside ``deepspeed.zero.Init``, partitioned as ``from_pretrained`` would.
+    """
+    cfg = models.tiny_qwen2_config(vocab_size=len(tokenizer), max_position_embeddings=1024)
+    torch.manual_seed(seed)
+    cls = Qwen2ForCausalLM if teacher else ScriptedQwen2ForCausalLM
+    model = cls._from_config(cfg)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    if script is not None:
+        model.script = RankScript(script, tokenizer)
+    return model
+
+
+def _args(cls, tmpdir: str, **overrides):
+    """``cls`` (a TRL config) with its defaults, changed only where a tiny CPU run needs it."""
+    torch.set_num_threads(1)  # two ranks share a small CPU
+    kw = dict(output_dir=tmpdir, use_cpu=True, bf16=False, deepspeed=trainer_zero3_config(),
+              per_device_train_batch_size=2, max_steps=2, report_to=[], save_strategy="no",
+              logging_steps=1, disable_tqdm=True, dataloader_num_workers=0)
+    kw.update(overrides)
+    return cls(**kw)
+
+
+def _prompts(n: int = 8):
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in _PROMPTS[:n]]})
+
+
+def _conversations(n: int = 8):
+    from datasets import Dataset
+
+    return Dataset.from_dict({"messages": [
+        [{"role": "user", "content": p}, {"role": "assistant", "content": f"ok {i}"}]
+        for i, p in enumerate(_PROMPTS[:n])]})
+
+
+def grpo_trainer(tmpdir: str, *, gather: bool = True, tools: bool = False,
+                 diverge_eos: bool = False, callbacks=()):
+    """``trl.GRPOTrainer`` (2 prompts x 2 generations per step, 16 new tokens, 2 steps).
+
+    ``gather``: ``ds3_gather_for_generation``. ``tools=True`` passes ``tools=[ping]`` and scripts
+    a tool call on rank 0 only (``RankScript("tool")``; completions get 80 tokens to hold the call
+    and the tool's answer). ``diverge_eos=True`` scripts ``RankScript("eos")``.
+    """
+    from trl import GRPOConfig, GRPOTrainer
+
+    args = _args(GRPOConfig, tmpdir, num_generations=2, max_completion_length=80 if tools else 16,
+                 ds3_gather_for_generation=gather)
+    tok = tiny_tokenizer()
+    model = _model(tok, script="tool" if tools else "eos" if diverge_eos else None)
+    return GRPOTrainer(model=model, reward_funcs=length_reward, args=args,
+                       train_dataset=_prompts(), processing_class=tok,
+                       tools=[ping] if tools else None, callbacks=list(callbacks))
+
+
+class DivergentDraws(TrainerCallback):
+    """A callback that seeds Python's ``random`` per rank before the first step, so that
+    the first ``random.random() <= lmbda`` is true on rank 0 and false on every other rank."""
+
+    def __init__(self, lmbda: float):
+        if not 0.0 < lmbda < 1.0:
+            raise ValueError("divergent draws need 0 < lmbda < 1")
+        self.lmbda = lmbda
+        self.first_draw: float | None = None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        import torch.distributed as dist
+
+        if state.global_step != 0:
+            return
+        on_policy = dist.get_rank() == 0
+        seed = next(s for s in range(10_000)
+                    if (random.Random(s).random() <= self.lmbda) == on_policy)
+        random.seed(seed)
+        self.first_draw = random.Random(seed).random()
+
+
+def gkd_trainer(tmpdir: str, *, lmbda: float = 0.5, divergent_draws: bool = True,
+                diverge_eos: bool = False, callbacks=()):
+    """``trl.experimental.gkd.GKDTrainer`` with a tiny teacher (8 new tokens, 2 steps).
+
+    GKD draws ``random.random() <= lmbda`` on every rank independently in ``training_step``;
+    ``divergent_draws=True`` adds :class:`DivergentDraws` so that only rank 0 generates at step 0.
+    """
+    from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+    args = _args(GKDConfig, tmpdir, lmbda=lmbda, max_new_tokens=8)
+    tok = tiny_tokenizer()
+    model = _model(tok, script="eos" if diverge_eos else None)
+    teacher = _model(tok, teacher=True, seed=1)
+    callbacks = list(callbacks) + ([DivergentDraws(lmbda)] if divergent_draws else [])
+    return GKDTrainer(model=model, teacher_model=teacher, args=args,
+                      train_dataset=_conversations(), processing_class=tok, callbacks=callbacks)
+
+
+def gold_trainer(tmpdir: str, *, lmbda: float = 1.0, diverge_eos: bool = False, callbacks=()):
+    """``trl.experimental.gold.GOLDTrainer`` with a tiny teacher sharing the tokenizer.
+
+    GOLD draws on rank 0 and broadcasts the on-policy flags, so ranks agree; ``lmbda`` defaults
+    to 1.0 (TRL: 0.5) so that every step generates.
+    """
+    from trl.experimental.gold import GOLDConfig, GOLDTrainer
+
+    args = _args(GOLDConfig, tmpdir, lmbda=lmbda, max_completion_length=8)
+    tok = tiny_tokenizer()
+    model = _model(tok, script="eos" if diverge_eos else None)
+    teacher = _model(tok, teacher=True, seed=1)
+    return GOLDTrainer(model=model, teacher_model=teacher, args=args,
+                       train_dataset=_conversations(), processing_class=tok,
+                       callbacks=list(callbacks))
+
+
+def distillation_trainer(tmpdir: str, *, gather: bool = True, tools: bool = False,
+                         diverge_eos: bool = False, callbacks=()):
+    """``trl.DistillationTrainer`` (fully on-policy) with a tiny teacher; options as in
+    :func:`grpo_trainer`."""
+    from trl import DistillationConfig, DistillationTrainer
+
+    args = _args(DistillationConfig, tmpdir, max_completion_length=80 if tools else 16,
+                 ds3_gather_for_generation=gather)
+    tok = tiny_tokenizer()
+    model = _model(tok, script="tool" if tools else "eos" if diverge_eos else None)
+    teacher = _model(tok, teacher=True, seed=1)
+    return DistillationTrainer(model=model, teacher_model=teacher, args=args,
+                               train_dataset=_prompts(), processing_class=tok,
+                               tools=[ping] if tools else None, callbacks=list(callbacks))
+
+
+def _result(trainer) -> dict:
+    """After ``trainer.train()``: the losses, the full log history (GRPO and Distillation log
+    ``completions/mean_length`` over all ranks) and this rank's ``generate()`` calls and the
+    forwards they ran."""
+    from accelerate.utils import extract_model_from_parallel
+
+    model = extract_model_from_parallel(trainer.model)
+    stats = getattr(model, "generate_stats", None) or {"calls": 0, "forwards": 0}
+    logs = trainer.state.log_history
+    return {"losses": [h["loss"] for h in logs if "loss" in h], "logs": logs,
+            "generate_calls": stats["calls"], "decode_forwards": stats["forwards"]}
+
+
+def _train(build, *args, **kwargs) -> dict:
+    from .launcher import mark
+
+    mark(f"building {build.__name__}")
+    trainer = build(*args, **kwargs)
+    mark(f"training {build.__name__}")
+    trainer.train()
+    return _result(trainer)
+
+
+def run_grpo(tmpdir: str, **kwargs) -> dict:
+    """Rank function: :func:`grpo_trainer` ``(**kwargs)``, trained; see :func:`_result`."""
+    return _train(grpo_trainer, tmpdir, **kwargs)
+
+
+def run_gkd(tmpdir: str, **kwargs) -> dict:
+    """Rank function for :func:`gkd_trainer`; also returns the step-0 draw when scripted."""
+    from .launcher import mark
+
+    mark("building gkd_trainer")
+    trainer = gkd_trainer(tmpdir, **kwargs)
+    draws = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, DivergentDraws)]
+    mark("training gkd_trainer")
+    trainer.train()
+    return {**_result(trainer), "first_draw": draws[0].first_draw if draws else None}
+
+
+def run_gold(tmpdir: str, **kwargs) -> dict:
+    """Rank function for :func:`gold_trainer`."""
+    return _train(gold_trainer, tmpdir, **kwargs)
+
+
+def run_distillation(tmpdir: str, **kwargs) -> dict:
+    """Rank function for :func:`distillation_trainer`."""
+    return _train(distillation_trainer, tmpdir, **kwargs)

@@ -1,0 +1,191 @@
+"""Make TRL's trainers collective where they are not: every rank generates the same number of times.
+
+Under ZeRO-3 every generation round is a collective (TRL's ``GatheredParameters`` gather, or the
+per-layer gathers with ``ds3_gather_for_generation=False``). TRL lets the number of rounds depend
+on the rank in three places; :func:`apply` makes each one collective on the trainer instance:
+
+* **Tool loops** (GRPO, ``DistillationTrainer``): a rank regenerates only while its own completions
+  call tools. Each round of the loop is now announced in an agreement; a rank whose loop ended
+  *joins* the remaining rounds with a one-row placeholder generation whose rows count as finished
+  (so it never extends the group's decoding), until the group agrees that no rank has a round
+  left, in the spirit of DDP's ``Join``.
+* **Per-rank draws** (GKD's ``random.random() <= lmbda``): the group takes the draw of its first
+  rank, as TRL's GOLD and IW-OPD do by broadcast; each rank's ``random`` stream advances as before.
+* **Uneven prompt splits** (``LogCompletionsCallback``, ``WeaveCallback``): each rank's prompts are
+  padded to the group's largest count before generating; the padding's completions are dropped.
+
+Generation itself goes through lockstep generation (installed by ``Zero3Safe``): when TRL already
+holds the whole model gathered, the call uses it as it is (no second gather) and still stops with
+the group's agreed early stop. A failure inside a round is shared with every rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import random
+
+from .. import zero3
+from .._upstream import patches
+from .._upstream import trl as trl_up
+from .._upstream.versions import require
+from ..runtime import runtime_of
+
+__all__ = ["apply"]
+
+log = logging.getLogger("hf_zero3.trl")
+_DRAW_SCALE = 2**53
+
+
+def apply(trainer, zero3safe=None):
+    """Make ``trainer`` (a TRL trainer) safe under ZeRO-3; returns the names of what was adapted.
+
+    Without ``zero3safe`` a :class:`~hf_zero3.Zero3Safe` is created, bound to the trainer and
+    added as a callback (so ``apply(trainer)`` after construction equals passing
+    ``callbacks=[Zero3Safe()]``). Local: nothing is exchanged until the first adapted call.
+    Tool rounds of a vLLM trainer are left as they are (vLLM generates outside the ZeRO-3 group).
+    """
+    require("trl")
+    if zero3safe is None:
+        from ..trainer.callback import Zero3Safe
+
+        zero3safe = Zero3Safe(trl=False)
+        zero3safe.bind(trainer, trainer.model)
+        trainer.add_callback(zero3safe)
+    adapted = []
+    if trl_up.has_tool_loop(trainer):
+        _align_tool_loop(trainer)
+        adapted.append("tool_loop")
+    if trl_up.per_rank_draw_trainer(trainer):
+        _agree_draws(trainer)
+        adapted.append("draws")
+    if trl_up.completion_logging_callbacks(trainer):
+        patches.install("trl.trainer.callbacks._generate_completions: even split", _patch_generate_completions)
+        adapted.append("completion_logging")
+    log.info("hf_zero3.trl: %s adapted: %s", type(trainer).__name__, ", ".join(adapted) or "generation only")
+    return adapted
+
+
+def _runtime(trainer):
+    engine = getattr(trainer, "model_wrapped", None)
+    return runtime_of(engine if engine is not None and engine is not trainer.model else trainer.model)
+
+
+def _is_zero3(trainer) -> bool:
+    return zero3.is_zero3_model(trainer.model) and zero3.group_world_size(_runtime(trainer).group) > 1
+
+
+class _Rounds:
+    """A loop of collective rounds made collective (see the module docstring)."""
+
+    def __init__(self, rt, op: str):
+        self.rt, self.op = rt, op
+
+    def announce(self) -> None:
+        """This rank runs a round: the others run one with it (really or as a placeholder)."""
+        self.rt.agree(self.op, [1])
+
+    def join(self, placeholder) -> int:
+        """This rank's rounds are over: run placeholders while another rank still has rounds."""
+        joined = 0
+        while self.rt.agree(self.op, [0])[0]:
+            self.rt.join = self.op
+            try:
+                placeholder()
+            finally:
+                self.rt.join = None
+            joined += 1
+        return joined
+
+    def fail(self, exc: BaseException) -> None:
+        self.rt.agree(self.op, [0], error=exc)  # raises the shared failure on every rank
+
+
+def _align_tool_loop(trainer) -> None:
+    """Wrap this trainer's ``_tool_call_loop`` / ``_generate_single_turn`` (instance attributes)."""
+    loop, single = getattr(trainer, trl_up.TOOL_LOOP), getattr(trainer, trl_up.SINGLE_TURN)
+    if getattr(loop, "_hf_zero3", False):
+        return
+    state = {"rounds": None}
+
+    @functools.wraps(single)
+    def single_turn(*args, **kwargs):
+        rounds = state["rounds"]
+        if rounds is not None:
+            rounds.announce()
+        return single(*args, **kwargs)
+
+    @functools.wraps(loop)
+    def tool_loop(*args, **kwargs):
+        if not _is_zero3(trainer) or trl_up.uses_vllm(trainer):  # vLLM generates outside the ZeRO-3 group
+            return loop(*args, **kwargs)
+        rounds = _Rounds(_runtime(trainer), "trl.tool_round")
+        state["rounds"] = rounds
+        try:
+            result = loop(*args, **kwargs)
+        except Exception as exc:
+            state["rounds"] = None
+            from ..errors import Zero3Error
+
+            if not isinstance(exc, Zero3Error):
+                rounds.fail(exc)
+            raise
+        state["rounds"] = None
+        p_args, p_kwargs = trl_up.single_turn_placeholder_args(trainer, trl_up.tokenizer_of(trainer).eos_token_id)
+        rounds.join(lambda: single(*p_args, **p_kwargs))
+        return result
+
+    tool_loop._hf_zero3 = True
+    setattr(trainer, trl_up.SINGLE_TURN, single_turn)
+    setattr(trainer, trl_up.TOOL_LOOP, tool_loop)
+
+
+def _agree_draws(trainer) -> None:
+    """GKD: one draw per step for the whole group (its first rank's), on this instance."""
+    step = trainer.training_step
+    if getattr(step, "_hf_zero3", False):
+        return
+
+    @functools.wraps(step)
+    def training_step(*args, **kwargs):
+        if not _is_zero3(trainer):
+            return step(*args, **kwargs)
+        rt = _runtime(trainer)
+        saved_state = random.getstate()
+        mine = random.random()  # the draw TRL is about to make here; the stream is rewound below
+        random.setstate(saved_state)
+        first = zero3.group_ranks(rt.group)[0]
+        import torch.distributed as dist
+
+        (agreed,) = rt.agree("trl.gkd.draw", [int(mine * _DRAW_SCALE) if dist.get_rank() == first else -1])
+        lmbda = trainer.lmbda
+        trainer.lmbda = 1.0 if agreed / _DRAW_SCALE <= lmbda else -1.0  # TRL's own draw now decides alike
+        try:
+            return step(*args, **kwargs)
+        finally:
+            trainer.lmbda = lmbda
+
+    training_step._hf_zero3 = True
+    trainer.training_step = training_step
+
+
+def _patch_generate_completions():
+    """Pad each rank's prompts to the group's largest count (undo: restore the module function)."""
+    import importlib
+
+    module = importlib.import_module(trl_up.GENERATE_COMPLETIONS[0])
+    original = getattr(module, trl_up.GENERATE_COMPLETIONS[1])
+
+    @functools.wraps(original)
+    def generate_completions(prompts, model, tokenizer, *args, **kwargs):
+        if not zero3.is_zero3_model(model):
+            return original(prompts, model, tokenizer, *args, **kwargs)
+        rt = runtime_of(model)
+        n = len(prompts)
+        (most,) = rt.agree("trl.log_completions", [n])
+        filler = prompts[-1] if n else (tokenizer.eos_token or " ")
+        out = original(list(prompts) + [filler] * (most - n), model, tokenizer, *args, **kwargs)
+        return out[:n]
+
+    setattr(module, trl_up.GENERATE_COMPLETIONS[1], generate_completions)
+    return lambda: setattr(module, trl_up.GENERATE_COMPLETIONS[1], original)
