@@ -64,6 +64,7 @@ class MemoryPlanPass:
 
     config: MemoryPlanConfig
     engine: object = None
+    runtime: object = None   # whose gather group the agreements use (default: the engine's runtime)
     # Seams for CPU tests, which drive the pass on recorded graphs without CUDA or DeepCompile:
     ops: dict | None = None  # FX target -> node kind (default: DeepCompile's dc ops)
     read_memory: Callable | None = None  # () -> MemoryState (default: this CUDA device)
@@ -79,12 +80,13 @@ class MemoryPlanPass:
         return (self.read_memory or memory_state)()
 
     def group(self, prof):
-        """The engine's own gather group (its runtime's), else the profile's (CPU tests)."""
-        if self.engine is not None:
+        """The engine's own gather group (its runtime's); the profile's only for a pass bound to none."""
+        rt = self.runtime
+        if rt is None and self.engine is not None:
             from hf_zero3.runtime import runtime_of
 
-            return runtime_of(self.engine).group
-        return getattr(prof, "process_group", None)
+            rt = runtime_of(self.engine)
+        return rt.group if rt is not None else getattr(prof, "process_group", None)
 
     def budget(self, group) -> MemoryBudget:
         from hf_zero3._upstream.deepspeed import pending_optimizer_bytes

@@ -100,10 +100,10 @@ class _Call:
         self.phase = "validating"   # -> "encoding" (encoder-decoder) -> "decoding" -> "done"
         self.region = None
 
-    def _agree(self, op: str, values=(), *, error=None, count=False) -> list[int]:
+    def _agree(self, op: str, values=(), *, error=None, count=False, record=None) -> list[int]:
         self.stats.agreements += 1
         try:
-            return self.rt.agree(op, values, error=error, count=count, **self.cfg.options())
+            return self.rt.agree(op, values, error=error, count=count, record=record, **self.cfg.options())
         except (RankFailure, RankDivergenceError):
             self.phase = "shared"   # every rank raises this one; nothing more to share
             raise
@@ -145,7 +145,7 @@ class _Call:
 
     def end(self) -> None:
         f = self.stats.forwards
-        hi, neg_lo = self._agree("generate.end", [f, -f])
+        hi, neg_lo = self._agree("generate.end", [f, -f], record=True)  # where a missing rank is named
         self.phase = "done"
         if hi != -neg_lo:
             raise RankDivergenceError(f"hf_zero3: ranks ran between {-neg_lo} and {hi} decode forwards in one "

@@ -108,7 +108,8 @@ def unsharded_copy(model):
     with _without_hf_deepspeed_config():
         copy = cls._from_config(model.config)
     copy.load_state_dict(state)
-    copy.generation_config = model.generation_config
+    if hasattr(model, "generation_config"):
+        copy.generation_config = model.generation_config
     return copy.eval()
 
 

@@ -147,6 +147,12 @@ class Zero3Safe(TrainerCallback):
     # -- release gathered parameters before training runs again -------------------------------
     def on_step_begin(self, args, state, control, model=None, **kwargs):
         _close(model)
+        # One agreement per step: an hf_zero3 call that ran on some ranks only (an extra generate,
+        # a main-process-only eval region) is named here at the latest, not at the timeout.
+        if model is not None and zero3.is_zero3_model(model):
+            rt = runtime_of(model)
+            if zero3.group_world_size(rt.group) > 1:
+                rt.agree("trainer.step", step=state.global_step)
 
     def on_evaluate(self, args, state, control, model=None, **kwargs):
         _close(model)
