@@ -225,3 +225,27 @@ def test_budget_fits_the_capped_1b_run_that_failed_on_units():
     assert b.gate_budget - b.non_pytorch < 16 * GiB  # at run time, still under the allocator's cap
     bwd = GraphProfile(1, (NodeProfile("x", "input"), NodeProfile("mm", alloc=int(7.9 * GiB), peak=int(11.65 * GiB))))
     check_floor(bwd, b.limit - b.safety, b.reserved)  # 7.9 + 4.6 GiB resident fits under the limit
+
+
+@pytest.mark.parametrize("values, env, message", [
+    ({"max_memory": "0.5"}, {}, r"hf_zero3.memory_plan.max_memory='0.5' is 0.5 bytes, not a whole number"),
+    ({"max_memory": "1e400"}, {}, r"max_memory='1e400' is not a finite size"),
+    ({"max_memory": float("nan")}, {}, r"max_memory=nan is not a finite size"),
+    ({"max_memory": "1.2.3GiB"}, {}, r"max_memory='1.2.3GiB' is not a size; write a size such as 15GiB"),
+    ({"max_memory": 512}, {}, r"only 512 bytes, below the 1048576-byte minimum"),
+    ({"plan_step": 1.7}, {}, r"hf_zero3.memory_plan.plan_step=1.7 is not a whole number of steps"),
+    ({"safety_margin": "nan"}, {}, r"safety_margin='nan' must be in \[0, 0.5\)"),
+    ({}, {"HF_ZERO3_MODE": "bogus"}, r"HF_ZERO3_MODE='bogus' is not one of"),
+    ({}, {"HF_ZERO3_MAXMEMORY": "1GiB"}, r"HF_ZERO3_MAXMEMORY is not an hf_zero3 setting; did you mean "
+                                        r"HF_ZERO3_MAX_MEMORY\?"),
+])
+def test_edge_values_are_named_with_their_key_or_variable(values, env, message):
+    """Issue #11, finding 6: every bad value names its key (or environment variable) and the forms."""
+    with pytest.raises(ConfigError, match=message):
+        MemoryPlanConfig.from_dict(values, env=env)
+
+
+def test_a_section_that_is_not_a_mapping_is_refused():
+    with pytest.raises(ConfigError, match=r"hf_zero3.memory_plan must be a mapping of settings, got list"):
+        MemoryPlanConfig.from_ds_config({"hf_zero3": {"memory_plan": []}}, env={})
+    assert MemoryPlanConfig.from_dict({"plan_step": "2"}, env={}).plan_step == 2  # whole numbers as text are fine

@@ -127,3 +127,81 @@ def test_predict_with_generate_uneven_prompts_matches_reference(tmp_path):
             # predictions are padded to a common length with -100 / pad; compare the prefix
             got = [t for t in got if t not in (-100,)][: len(exp)]
             assert got == exp
+
+
+def _zero2_with_a_bogus_plan_variable(tmpdir):
+    """Zero3Safe is harmless without ZeRO-3, even with a bad HF_ZERO3_* setting it never needs."""
+    import os
+
+    from hf_zero3 import Zero3Safe
+    from hf_zero3._upstream import patches
+    from hf_zero3.testing.trainer_job import make_trainer, train_losses
+
+    os.environ["HF_ZERO3_MODE"] = "bogus"
+    trainer = make_trainer(f"{tmpdir}/z2", callbacks=[Zero3Safe()], max_steps=2, eval_steps=1,
+                           ds_extra={"zero_optimization": {"stage": 2}})
+    trainer.train()
+    return dict(losses=train_losses(trainer), patches=patches.installed())
+
+
+def test_zero3safe_is_harmless_under_zero2(tmp_path):
+    for r in run_ranks(_zero2_with_a_bogus_plan_variable, 2, args=(str(tmp_path),), init="deepspeed",
+                       timeout=200, pg_timeout=30):
+        assert len(r["losses"]) == 2 and r["patches"] == []
+
+
+def _classifier_without_generate(tmpdir):
+    """A BERT classifier (no generate()) under ZeRO-3: Zero3Safe still protects its eval forwards,
+    and the Trainer's metrics are those of the same run without it."""
+    import logging
+
+    from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+
+    from hf_zero3 import Zero3Safe
+    from hf_zero3.testing.configs import trainer_zero3_config
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("hf_zero3.trainer").addHandler(handler)
+    logging.getLogger("hf_zero3.trainer").setLevel(logging.INFO)
+
+    class Rows(torch.utils.data.Dataset):
+        def __init__(self, n, seed):
+            g = torch.Generator().manual_seed(seed)
+            self.rows = [(torch.randint(3, 96, (8,), generator=g), int(i % 2)) for i in range(n)]
+
+        def __len__(self):
+            return len(self.rows)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.rows[i][0], "labels": torch.tensor(self.rows[i][1])}
+
+    def run(callbacks):
+        args = TrainingArguments(output_dir=f"{tmpdir}/bert", use_cpu=True, deepspeed=trainer_zero3_config(),
+                                 per_device_train_batch_size=2, per_device_eval_batch_size=1, max_steps=2,
+                                 report_to=[], save_strategy="no", disable_tqdm=True, seed=0)
+        cfg = BertConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=64, num_labels=2)
+        torch.manual_seed(0)
+        model = BertForSequenceClassification(cfg)  # built under the live ZeRO-3 config: partitioned
+        trainer = Trainer(model=model, args=args, train_dataset=Rows(8, 1), eval_dataset=Rows(4, 2),
+                          callbacks=callbacks)
+        trainer.train()
+        return trainer
+
+    plain = run([]).evaluate()["eval_loss"]
+    trainer = run([Zero3Safe()])
+    loss = trainer.evaluate()["eval_loss"]
+    plan = trainer.model.hf_zero3_last_eval_plan
+    return dict(loss=loss, plain_loss=plain, plan=plan.strategy, partitioned=all(
+        p.numel() == 0 for p in trainer.model.parameters()),
+                said=[r.getMessage() for r in records if "has no generate()" in r.getMessage()])
+
+
+def test_zero3safe_protects_a_model_without_generate(tmp_path):
+    for r in run_ranks(_classifier_without_generate, 2, args=(str(tmp_path),), init="deepspeed", timeout=200,
+                       pg_timeout=30):
+        assert r["plan"] == "all" and r["partitioned"]
+        assert r["loss"] == pytest.approx(r["plain_loss"], rel=1e-5)
+        assert r["said"] and "BertForSequenceClassification" in r["said"][0]

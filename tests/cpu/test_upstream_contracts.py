@@ -1,0 +1,221 @@
+"""Contract tests: one per accessor of ``hf_zero3._upstream`` (every private read of DeepSpeed,
+transformers, accelerate, TRL and torch), each on real objects of the installed release. A library
+upgrade that moves an attribute fails here, by name. Versions checked: each module's ``CHECKED``
+(DeepSpeed 0.19.8, transformers 5.23.0, accelerate 1.15.0, TRL 1.16.0, torch 2.13.0+cpu);
+DeepCompile's accessors need CUDA and are exercised by the GPU tests (tests/gpu)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from hf_zero3._upstream import accelerate as acc_up
+from hf_zero3._upstream import deepspeed as ds_up
+from hf_zero3._upstream import transformers as hf_up
+from hf_zero3._upstream import trl as trl_up
+from hf_zero3._upstream import torch as torch_up
+from hf_zero3.testing import run_ranks
+
+
+def test_checked_versions_are_the_tested_ones():
+    from hf_zero3._upstream.versions import TESTED
+
+    assert TESTED["deepspeed"] in ds_up.CHECKED and TESTED["transformers"] in hf_up.CHECKED
+    assert TESTED["accelerate"] in acc_up.CHECKED and TESTED["trl"] in trl_up.CHECKED
+
+
+def _deepspeed_engine_contracts():
+    import deepspeed
+
+    from hf_zero3.testing import models, strict_zero3_config
+
+    ds = strict_zero3_config(world_size=1)
+    model = models.plain_model(models.tiny_llama_config())  # built plainly, handed to initialize
+    engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
+    p = next(engine.module.parameters())
+    out = {}
+    out["param"] = (ds_up.is_zero3_param(p), ds_up.param_full_numel(p) == p.ds_numel > 0,
+                    ds_up.param_shard(p) is p.ds_tensor, isinstance(ds_up.param_id(p), int),
+                    ds_up.param_group(p) is not None)
+    params = list(engine.module.parameters())
+    before = ds_up.param_available(p)
+    ds_up.gather_now(params)
+    gathered = all(ds_up.param_available(q) and q.numel() == q.ds_numel for q in params)
+    ds_up.partition_now(params)
+    with ds_up.gathered_parameters(params):
+        inside = ds_up.param_available(p)
+    out["gather"] = (before, gathered, ds_up.param_available(p), inside)
+    offload = ds_up.engine_offload(engine)
+    ids = ds_up.offload_hook_ids(offload)
+    tables = {k for m in ds_up.offload_module(offload).modules() for _, t in ds_up.module_hook_dicts(m) for k in t}
+    out["engine"] = (ds_up.is_engine(engine), ds_up.engine_module(engine) is engine.module,
+                     ds_up.engine_global_steps(engine), ds_up.engine_zero_stage(engine),
+                     ds_up.deepcompile_enabled(engine), ds_up.deepcompile_active(engine),
+                     ds_up.engine_is_compiled(engine))
+    out["offload"] = (offload is not None, ds_up.offload_from_module_hooks(engine.module) is offload,
+                      ds_up.offload_module(offload) is engine.module, bool(ids) and ids <= tables)
+    out["pending"] = ds_up.pending_optimizer_bytes(engine) > 0
+    out["deepcompile_supported"] = ds_up.deepcompile_supported()
+
+    from deepspeed.runtime.rollout import HybridEngineRollout
+
+    tok = type("Tok", (), {"eos_token_id": 2, "pad_token_id": 0})()
+    rollout = HybridEngineRollout(engine, tok)
+    out["rollout"] = (ds_up.hybrid_rollout_module(rollout) is engine.module,
+                      ds_up.hybrid_rollout_tokenizer(rollout) is tok)
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine_contracts():
+    return run_ranks(_deepspeed_engine_contracts, 1, init="deepspeed", timeout=120, pg_timeout=30)[0]
+
+
+def test_zero3_parameter_attributes(engine_contracts):
+    assert engine_contracts["param"] == (True, True, True, True, True)
+    # partitioned, gathered by hand, partitioned again, gathered inside GatheredParameters
+    assert engine_contracts["gather"] == (False, True, False, True)
+
+
+def test_engine_accessors(engine_contracts):
+    assert engine_contracts["engine"] == (True, True, 0, 3, False, False, False)
+    assert engine_contracts["pending"]
+
+
+def test_eager_hook_owner_found_from_engine_and_from_the_bare_module(engine_contracts):
+    assert engine_contracts["offload"] == (True, True, True, True)
+
+
+def test_deepcompile_is_refused_on_cpu_with_the_reason(engine_contracts):
+    ok, why = engine_contracts["deepcompile_supported"]
+    assert not ok and "DeepCompile runs on CUDA only" in why
+
+
+def test_hybrid_engine_rollout_attributes(engine_contracts):
+    assert engine_contracts["rollout"] == (True, True)
+
+
+def test_deepcompile_pass_table_and_param_manager():
+    from deepspeed.compile import backend
+    from deepspeed.compile.graph_param import DSGraphParamManager
+    from torch.fx import Graph
+
+    fn = lambda *a: None  # noqa: E731
+    ds_up.register_compile_pass("hf_zero3_contract_probe", fn, ds_up.gather_release_contract(frozenset()))
+    assert backend.opt_passes["hf_zero3_contract_probe"] is fn
+    graph = Graph()
+    x = graph.placeholder("w")
+    graph.output(x)
+    manager = DSGraphParamManager(graph, [torch.zeros(2, 2)], [(0, 7, (2, 2))])
+    assert ds_up.graph_param_ids({3: manager}, 3) == {7} and ds_up.graph_param_ids({}, 3) == set()
+    assert set(ds_up.profile_meta_defaults())
+
+
+def test_deepcompile_profiling_result_fields():
+    from deepspeed.compile.profilers import ProfilingResult
+
+    prof = ProfilingResult()
+    for bwd in (False, True):
+        graph, mem, times, sizes = ds_up.profile_fields(prof, bwd)
+        assert graph is None and all(x is not None or x is None for x in (mem, times, sizes))
+    assert ds_up.profile_all_peaks(prof) == []
+    assert ds_up.profile_complete(prof, False) is False
+
+
+def test_transformers_generation_hooks_and_length_argument():
+    from transformers.generation.utils import GenerationMixin
+
+    hf_up.generation_hooks_present()
+    params = list(inspect.signature(GenerationMixin._prepare_generated_length).parameters)
+    # self, generation_config, then input_ids_length 4th among the rest: input_length_arg's args[3]
+    assert params[:2] == ["self", "generation_config"] and params.index("input_ids_length") == 2 + 3
+    assert hf_up.input_length_arg((None, None, None, 9), {}) == 9
+    assert hf_up.input_length_arg((), {"input_ids_length": 5}) == 5
+
+
+def _trainer_contracts(tmpdir):
+    from transformers import TrainerCallback
+
+    from hf_zero3.testing.trainer_job import make_trainer
+
+    found = {}
+
+    class Probe(TrainerCallback):
+        def on_init_end(self, args, state, control, **kwargs):
+            found["trainer"] = hf_up.trainer_calling_callback()
+
+    trainer = make_trainer(tmpdir, callbacks=[Probe()], max_steps=1)
+    config = hf_up.trainer_deepspeed_config(trainer)
+    before = hf_up.trainer_engine(trainer)
+    trainer.train()
+    return dict(found=found["trainer"] is trainer, stage=config["zero_optimization"]["stage"],
+                engine_before=before is not None, engine_after=hf_up.trainer_engine(trainer) is trainer.model_wrapped,
+                outside=hf_up.trainer_calling_callback() is None)
+
+
+def test_trainer_found_from_its_callback_and_its_engine_after_prepare(tmp_path):
+    r = run_ranks(_trainer_contracts, 1, args=(str(tmp_path),), init="deepspeed", timeout=120, pg_timeout=30)[0]
+    assert r == dict(found=True, stage=3, engine_before=False, engine_after=True, outside=True)
+
+
+def test_hf_deepspeed_config_reference_round_trips():
+    saved = hf_up.hf_deepspeed_config_ref()
+    hf_up.set_hf_deepspeed_config_ref(None)
+    assert hf_up.hf_deepspeed_config_ref() is None
+    hf_up.set_hf_deepspeed_config_ref(saved)
+    assert hf_up.hf_deepspeed_config_ref() is saved
+
+
+def test_accelerate_and_deepspeed_patches_apply_and_undo():
+    from accelerate import Accelerator
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    compile_, prepare = DeepSpeedEngine.compile, Accelerator._prepare_deepspeed
+    undo = acc_up.patch_deepspeed_compile_default_schedule(lambda engine: None)
+    assert DeepSpeedEngine.compile is not compile_ and "schedule" in inspect.signature(compile_).parameters
+    undo()
+    undo = acc_up.patch_accelerate_prepare_deepspeed(lambda a: None, lambda a, e, s: None)
+    assert Accelerator._prepare_deepspeed is not prepare
+    undo()
+    assert (DeepSpeedEngine.compile, Accelerator._prepare_deepspeed) == (compile_, prepare)
+
+
+def _torch_contracts():
+    import torch.distributed as dist
+
+    store = torch_up.default_store()
+    store.set("hf_zero3/contract", "1")
+    module = torch.nn.Linear(2, 2)
+    before = torch_up.compiled_call(module)
+    module.compile(backend="eager")
+    compiled = torch_up.compiled_call(module) is not None
+    torch_up.set_compiled_call(module, None)
+    return dict(store=store.check(["hf_zero3/contract"]) and store.get("hf_zero3/contract") == b"1",
+                timeout=torch_up.group_timeout(dist.group.WORLD).total_seconds(), before=before,
+                compiled=compiled, reset=torch_up.compiled_call(module) is None)
+
+
+def test_torch_store_group_timeout_and_compiled_call():
+    r = run_ranks(_torch_contracts, 1, timeout=120, pg_timeout=17)[0]
+    assert r == dict(store=True, timeout=17.0, before=None, compiled=True, reset=True)
+    assert torch_up.cuda_memory_fraction(torch.device("cpu")) == 1.0 or torch.cuda.is_available()
+
+
+def test_trl_trainer_methods_and_draw():
+    import importlib
+
+    from trl import DistillationTrainer, GRPOTrainer
+    from trl.experimental.gkd import GKDTrainer
+
+    for cls in (GRPOTrainer, DistillationTrainer):
+        assert callable(getattr(cls, trl_up.TOOL_LOOP)) and callable(getattr(cls, trl_up.SINGLE_TURN))
+        params = inspect.signature(getattr(cls, trl_up.SINGLE_TURN)).parameters
+        assert list(params)[1:4] == ["prompt_ids", "images", "multimodal_fields"]
+    assert "random.random() <= self.lmbda" in inspect.getsource(GKDTrainer.training_step)
+    module = importlib.import_module(trl_up.GENERATE_COMPLETIONS[0])
+    assert list(inspect.signature(getattr(module, trl_up.GENERATE_COMPLETIONS[1])).parameters)[:3] == [
+        "prompts", "model", "tokenizer"]
+    assert trl_up.per_rank_draw_trainer(GKDTrainer.__new__(GKDTrainer))
+    assert not trl_up.per_rank_draw_trainer(GRPOTrainer.__new__(GRPOTrainer))
