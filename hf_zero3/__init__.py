@@ -47,7 +47,15 @@ def patching():
     return scope()
 
 
+_SUBMODULES = ("trl", "testing", "compile", "generation", "trainer", "accelerate", "agree", "runtime", "zero3",
+               "gathering", "errors")
+
+
 def __getattr__(name):
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"hf_zero3.{name}")
     if name in _LAZY:
         import importlib
 

@@ -4,10 +4,11 @@ A ZeRO-3 group stays correct only while all its ranks issue the same collectives
 order. Every choice that changes the collectives (stop generating? gather the whole model? skip a
 prefetch?) is reduced across the group first, and every agreement is *tagged* and *agree-or-raise*:
 
-* one fixed-size all-reduce carries a header (operation, a digest of the options that must match,
-  the per-model call counter, the training step), one failure slot per rank and up to
-  ``SMALL`` values. Its size is the same for every operation, so two ranks in different hf_zero3
-  operations pair up and see the difference instead of deadlocking or exchanging garbage;
+* one fixed-size all-reduce (``3 + SMALL`` integers) carries a 56-bit digest of the header
+  (operation, the options that must match, the per-model call counter, the training step, the
+  payload's size), a failure flag and up to ``SMALL`` values. Its size is the same for every
+  operation, so two ranks in different hf_zero3 operations pair up and see the difference
+  instead of deadlocking or exchanging garbage;
 * a rank that failed locally (bad argument, refused option, an exception mid-call) enters the
   agreement with its failure instead of leaving the others waiting; then every rank raises the
   same :class:`~hf_zero3.errors.RankFailure` naming the failing rank(s) and their messages;
@@ -28,6 +29,8 @@ first agreement after the next optimizer step, the timeout at the end of the run
 from __future__ import annotations
 
 import datetime
+import functools
+import hashlib
 import json
 import os
 import threading
@@ -45,8 +48,7 @@ __all__ = ["Tag", "agree", "all_max", "all_min", "all_equal", "host_group", "agr
 
 MAGIC = 0x687A33  # "hz3"
 PROTOCOL = 1
-HEADER = ("magic", "op", "counter", "step", "options", "n_values", "big", "protocol")
-SMALL = 8            # values carried in the fixed-size all-reduce; more go in a second one
+SMALL = 5            # values carried in the fixed-size all-reduce; more go in a second one
 DETAIL_BYTES = 4096  # per rank, error paths only
 TIMEOUT_ENV = "HF_ZERO3_AGREE_TIMEOUT"
 
@@ -65,9 +67,10 @@ class Tag:
     counter: int = 0
     step: int = 0
 
-    def header(self, n_values: int, big: int) -> list[int]:
-        return [MAGIC, _crc(self.op), int(self.counter), int(self.step), _crc(_canonical(self.options)),
-                int(n_values), int(big), PROTOCOL]
+    def digest(self, n_values: int, big: int) -> int:
+        """56 bits over everything that must be equal on every rank (also the payload's size)."""
+        text = f"{MAGIC}|{PROTOCOL}|{self.op}|{self.counter}|{self.step}|{_canonical(self.options)}|{n_values}|{big}"
+        return _hash56(text)
 
     def describe(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in sorted(self.options.items()))
@@ -78,8 +81,14 @@ class Tag:
                 "counter": self.counter, "step": self.step}
 
 
+@functools.lru_cache(maxsize=4096)
 def _crc(text: str) -> int:
     return zlib.crc32(text.encode()) & 0x7FFFFFFF
+
+
+@functools.lru_cache(maxsize=4096)
+def _hash56(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "big")
 
 
 def _canonical(options: dict) -> str:
@@ -101,6 +110,21 @@ def _ranks(group) -> tuple[int, ...]:
     if group is None or group is dist.group.WORLD:
         return tuple(range(dist.get_world_size()))
     return tuple(dist.get_process_group_ranks(group))
+
+
+_GROUP_FACTS: dict[int, tuple] = {}  # id(group) -> (group, ranks, my index, mirror, timeout)
+
+
+def _facts(group):
+    """(ranks, my index in them, gloo mirror, timeout) of ``group``, computed once per group."""
+    key = id(group) if group is not None else 0
+    facts = _GROUP_FACTS.get(key)
+    if facts is None or facts[0] is not group:
+        ranks = _ranks(group)
+        mirror = host_group(group)
+        facts = (group, ranks, ranks.index(_dist().get_rank()), mirror, _timeout(mirror))
+        _GROUP_FACTS[key] = facts
+    return facts[1:]
 
 
 def _timeout(group) -> datetime.timedelta:
@@ -167,30 +191,22 @@ def agree(tag: Tag, group=None, values: Sequence[int] = (), *, error: BaseExcept
             raise error
         return vals
     start = time.perf_counter()
-    ranks = _ranks(group)
-    me = ranks.index(dist.get_rank())
-    hg = host_group(group)
+    ranks, me, hg, timeout = _facts(group)
     if record:
         _record_position(ranks, tag)
     small = len(vals) <= SMALL
-    header = tag.header(len(vals), 0 if small else len(vals))
-    fail = [0] * len(ranks)
-    if error is not None:
-        fail[me] = 1
+    digest = tag.digest(len(vals), 0 if small else len(vals))
     payload = (vals if small else []) + [0] * (SMALL - (len(vals) if small else 0))
-    vec = torch.tensor(header + [-h for h in header] + fail + payload, dtype=torch.int64)
-    _wait(dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=hg, async_op=True), hg, tag, ranks)
+    vec = torch.tensor([digest, -digest, int(error is not None)] + payload, dtype=torch.int64)
+    _wait(dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=hg, async_op=True), timeout, tag, ranks)
     out = vec.tolist()
-    n = len(HEADER)
-    hi, lo = out[:n], [-x for x in out[n:2 * n]]
-    failed = [ranks[i] for i, f in enumerate(out[2 * n:2 * n + len(ranks)]) if f]
-    if failed or hi != lo:
-        _raise_shared(tag, error, ranks, hg, failed)
+    if out[2] or out[0] != -out[1]:  # a rank failed, or the ranks are not in the same agreement
+        _raise_shared(tag, error, ranks, hg, timeout)
     if small:
-        result = out[2 * n + len(ranks):2 * n + len(ranks) + len(vals)]
+        result = out[3:3 + len(vals)]
     else:
         big = torch.tensor(vals, dtype=torch.int64)
-        _wait(dist.all_reduce(big, op=dist.ReduceOp.MAX, group=hg, async_op=True), hg, tag, ranks)
+        _wait(dist.all_reduce(big, op=dist.ReduceOp.MAX, group=hg, async_op=True), timeout, tag, ranks)
         result = big.tolist()
         _STATS["big"] += 1
     _STATS["agreements"] += 1
@@ -198,15 +214,14 @@ def agree(tag: Tag, group=None, values: Sequence[int] = (), *, error: BaseExcept
     return result
 
 
-def _wait(work, hg, tag: Tag, ranks) -> None:
-    timeout = _timeout(hg)
+def _wait(work, timeout: datetime.timedelta, tag: Tag, ranks) -> None:
     try:
         work.wait(timeout=timeout)
     except Exception as exc:  # timed out (or the peer's process died): say who is missing
         raise RankDivergenceError(_missing_message(tag, ranks, exc, timeout.total_seconds())) from exc
 
 
-def _raise_shared(tag: Tag, error, ranks, hg, failed) -> None:
+def _raise_shared(tag: Tag, error, ranks, hg, timeout) -> None:
     """Error path: exchange every rank's tag and failure (fixed size), raise the same error."""
     dist = _dist()
     detail = {"tag": tag.to_json()}
@@ -217,7 +232,7 @@ def _raise_shared(tag: Tag, error, ranks, hg, failed) -> None:
     buf = torch.zeros(DETAIL_BYTES, dtype=torch.uint8)
     buf[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
     bufs = [torch.zeros_like(buf) for _ in ranks]
-    _wait(dist.all_gather(bufs, buf, group=hg, async_op=True), hg, tag, ranks)
+    _wait(dist.all_gather(bufs, buf, group=hg, async_op=True), timeout, tag, ranks)
     details = {}
     for r, b in zip(ranks, bufs):
         data = bytes(b.tolist()).rstrip(b"\0")
@@ -228,6 +243,7 @@ def _raise_shared(tag: Tag, error, ranks, hg, failed) -> None:
                           "error": data.decode(errors="replace")}
     tags = {r: Tag(d["tag"]["op"], d["tag"]["options"], d["tag"]["counter"], d["tag"]["step"])
             for r, d in details.items()}
+    failed = [r for r in ranks if "error" in details[r]]
     if failed:
         failures = {r: details[r].get("error", "failed") for r in failed}
         bases = {details[r].get("base", "RuntimeError") for r in failed}

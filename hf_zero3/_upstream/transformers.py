@@ -12,11 +12,13 @@ import sys
 CHECKED = "transformers 5.23.0"
 
 #: GenerationMixin methods lockstep generation overrides, in the order generate() calls them:
-#: the encoder forward of encoder-decoder models (the first forward), where ``max_length`` is
-#: fixed, the last validation before decoding, and the loop condition (whose ``synced_gpus``
-#: branch all-reduces over WORLD every step).
-GENERATION_HOOKS = ("_maybe_prepare_encoder_kwargs_for_generation", "_prepare_generated_length",
-                    "_get_stopping_criteria", "_has_unfinished_sequences")
+#: where ``max_length`` is fixed, the last validation before decoding, and the loop condition
+#: (whose ``synced_gpus`` branch all-reduces over WORLD every step).
+GENERATION_HOOKS = ("_prepare_generated_length", "_get_stopping_criteria", "_has_unfinished_sequences")
+#: The encoder forward of an encoder-decoder model (its first collective), by release:
+#: ``_maybe_prepare_encoder_kwargs_for_generation`` in 5.23, ``_prepare_encoder_decoder_kwargs_for_generation``
+#: up to 5.17 (the GPU hosts' release). One of them must exist.
+ENCODER_HOOKS = ("_maybe_prepare_encoder_kwargs_for_generation", "_prepare_encoder_decoder_kwargs_for_generation")
 
 
 def generation_hooks_present() -> None:
@@ -24,6 +26,8 @@ def generation_hooks_present() -> None:
     from transformers.generation.utils import GenerationMixin
 
     missing = [n for n in GENERATION_HOOKS if not hasattr(GenerationMixin, n)]
+    if not any(hasattr(GenerationMixin, n) for n in ENCODER_HOOKS):
+        missing.append(" or ".join(ENCODER_HOOKS))
     if missing:
         import transformers
 

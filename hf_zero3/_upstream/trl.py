@@ -14,6 +14,8 @@ CHECKED = "trl 1.16.0"
 TOOL_LOOP = "_tool_call_loop"
 SINGLE_TURN = "_generate_single_turn"
 GENERATE_COMPLETIONS = ("trl.trainer.callbacks", "_generate_completions")
+#: re-registers DeepSpeed's eager ZeRO-3 hooks after each gathered generation
+ADD_HOOKS = ("trl.models.utils", "add_hooks")
 
 
 def is_trl_trainer(trainer) -> bool:
@@ -57,9 +59,3 @@ def per_rank_draw_trainer(trainer) -> bool:
     by class: ``on_init_end`` runs before GKD's ``__init__`` sets ``lmbda``.)"""
     return any(c.__module__.startswith("trl.experimental.gkd") and c.__name__ == "GKDTrainer"
                for c in type(trainer).__mro__)
-
-
-def completion_logging_callbacks(trainer) -> list:
-    """Callbacks that generate with ``_generate_completions`` on an uneven split of prompts."""
-    names = ("LogCompletionsCallback", "WeaveCallback")
-    return [cb for cb in trainer.callback_handler.callbacks if type(cb).__name__ in names]

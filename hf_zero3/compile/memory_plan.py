@@ -261,6 +261,11 @@ class _Dispatcher:
     def __init__(self):
         self._plans: list = []  # weak references to MemoryPlanPass objects
 
+    def others(self, planner: "MemoryPlanPass") -> list:
+        """Live plans of other engines."""
+        return [p for p in (r() for r in self._plans) if p is not None and p is not planner
+                and p.engine is not planner.engine]
+
     def add(self, planner: "MemoryPlanPass") -> None:
         import weakref
 
@@ -332,6 +337,11 @@ def apply_memory_plan(engine, config: MemoryPlanConfig | None = None) -> tuple[M
     rt = runtime_of(engine)
     planner = MemoryPlanPass(config, engine)
     register_compile_pass(PASS_NAME, _DISPATCHER, pass_contract())
+    if _DISPATCHER.others(planner):
+        log.warning("hf_zero3: a second DeepCompile engine in this process. DeepSpeed 0.19.8 keeps one DeepCompile "
+                    "native state per process, owned by the engine compiled last: only that engine may run its "
+                    "compiled graph. Compile the engine you train last; evaluate the others through "
+                    "hf_zero3.eval_forward / Zero3Safe (eager, gathered). Each keeps its own memory plan.")
     _DISPATCHER.add(planner)
     from hf_zero3.compile.gate import register_ops
 

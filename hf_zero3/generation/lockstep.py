@@ -187,7 +187,8 @@ class Zero3GenerationMixin:
     Put it first in a model's bases (``class M(Zero3GenerationMixin, LlamaForCausalLM)``), or apply
     it to an existing instance with :func:`lockstep`. ``generate()`` takes the extra keyword
     arguments ``stop``, ``sync_every``, ``gather`` and ``group`` (see :class:`LockstepConfig`).
-    Without ZeRO-3 or with one rank it is plain ``generate()``.
+    Without ZeRO-3 it is plain ``generate()``; with one rank nothing is exchanged, but the model is
+    still gathered once per call (and DeepCompile's graph bypassed) instead of layer by layer.
     """
 
     @property
@@ -211,8 +212,6 @@ class Zero3GenerationMixin:
             _refuse_rank_divergent_options(cfg, args, kwargs)
         except Exception as exc:  # shared at the call's first agreement: every rank raises it
             error, cfg, group = exc, LockstepConfig(), rt.group
-        if error is None and zero3.group_world_size(group) == 1 and cfg.gather == "auto":
-            return super().generate(*args, **kwargs)
         rt.enter("generate()")
         try:
             call = rt.loop = _Call(self, rt, cfg, group)
@@ -235,11 +234,13 @@ class Zero3GenerationMixin:
             rt.leave()
 
     # -- transformers hooks (see hf_zero3._upstream.transformers.GENERATION_HOOKS) --------------
-    def _maybe_prepare_encoder_kwargs_for_generation(self, *args, **kwargs):
-        call = _call_of(self)
-        if call is not None and call.phase == "validating" and self.config.is_encoder_decoder:
-            call.begin()  # the encoder forward is the first collective of an encoder-decoder call
+    def _maybe_prepare_encoder_kwargs_for_generation(self, *args, **kwargs):  # transformers >= 5.2x
+        _encoder_begins(self)
         return super()._maybe_prepare_encoder_kwargs_for_generation(*args, **kwargs)
+
+    def _prepare_encoder_decoder_kwargs_for_generation(self, *args, **kwargs):  # transformers <= 5.17
+        _encoder_begins(self)
+        return super()._prepare_encoder_decoder_kwargs_for_generation(*args, **kwargs)
 
     def _prepare_generated_length(self, generation_config=None, *args, **kwargs):
         generation_config = super()._prepare_generated_length(generation_config, *args, **kwargs)
@@ -265,6 +266,13 @@ class Zero3GenerationMixin:
         if call is None or call.phase != "decoding":
             return super()._has_unfinished_sequences(this_peer_finished, synced_gpus, device, **kwargs)
         return call.keep_going(this_peer_finished)
+
+
+def _encoder_begins(model) -> None:
+    """The encoder forward is the first collective of an encoder-decoder call: agree before it."""
+    call = _call_of(model)
+    if call is not None and call.phase == "validating" and model.config.is_encoder_decoder:
+        call.begin()
 
 
 def _call_of(model) -> _Call | None:

@@ -130,7 +130,8 @@ class _Scripted(LogitsProcessor):
 
 class ScriptedQwen2ForCausalLM(Qwen2ForCausalLM):
     """Qwen2 whose ``generate()`` follows ``self.script`` (a :class:`RankScript` or ``None``) and
-    counts its calls and the forwards they run in ``self.generate_stats``."""
+    counts its calls and the forwards they run in ``self.generate_stats`` (``per_call``: the
+    forwards of each call, in order)."""
 
     script: RankScript | None = None
     generate_stats: dict | None = None
@@ -138,8 +139,9 @@ class ScriptedQwen2ForCausalLM(Qwen2ForCausalLM):
     def generate(self, *args, **kwargs):
         stats = self.generate_stats
         if stats is None:
-            stats = self.generate_stats = {"calls": 0, "forwards": 0}
+            stats = self.generate_stats = {"calls": 0, "forwards": 0, "per_call": []}
         stats["calls"] += 1
+        before = stats["forwards"]
         if self.script is not None:
             prompt_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
             kwargs["logits_processor"] = LogitsProcessorList(
@@ -153,6 +155,7 @@ class ScriptedQwen2ForCausalLM(Qwen2ForCausalLM):
             return super().generate(*args, **kwargs)
         finally:
             handle.remove()
+            stats["per_call"].append(stats["forwards"] - before)
 
 
 def _model(tokenizer, *, script: str | None = None, teacher: bool = False, seed: int = 0):
@@ -197,14 +200,23 @@ def _conversations(n: int = 8):
 
 
 def grpo_trainer(tmpdir: str, *, gather: bool = True, tools: bool = False,
-                 diverge_eos: bool = False, callbacks=()):
+                 diverge_eos: bool = False, peft: bool = False, callbacks=()):
     """``trl.GRPOTrainer`` (2 prompts x 2 generations per step, 16 new tokens, 2 steps).
 
     ``gather``: ``ds3_gather_for_generation``. ``tools=True`` passes ``tools=[ping]`` and scripts
     a tool call on rank 0 only (``RankScript("tool")``; completions get 80 tokens to hold the call
-    and the tool's answer). ``diverge_eos=True`` scripts ``RankScript("eos")``.
+    and the tool's answer). ``diverge_eos=True`` scripts ``RankScript("eos")``. ``peft=True``
+    passes ``peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"])``: TRL wraps the
+    model in a ``PeftModel`` (only the adapters train; TRL's reference model is the base model
+    with the adapters disabled).
     """
     from trl import GRPOConfig, GRPOTrainer
+
+    peft_config = None
+    if peft:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
 
     args = _args(GRPOConfig, tmpdir, num_generations=2, max_completion_length=80 if tools else 16,
                  ds3_gather_for_generation=gather)
@@ -212,7 +224,8 @@ def grpo_trainer(tmpdir: str, *, gather: bool = True, tools: bool = False,
     model = _model(tok, script="tool" if tools else "eos" if diverge_eos else None)
     return GRPOTrainer(model=model, reward_funcs=length_reward, args=args,
                        train_dataset=_prompts(), processing_class=tok,
-                       tools=[ping] if tools else None, callbacks=list(callbacks))
+                       tools=[ping] if tools else None, callbacks=list(callbacks),
+                       peft_config=peft_config)
 
 
 class DivergentDraws(TrainerCallback):
@@ -291,14 +304,15 @@ def distillation_trainer(tmpdir: str, *, gather: bool = True, tools: bool = Fals
 def _result(trainer) -> dict:
     """After ``trainer.train()``: the losses, the full log history (GRPO and Distillation log
     ``completions/mean_length`` over all ranks) and this rank's ``generate()`` calls and the
-    forwards they ran."""
+    forwards they ran (in all, and per call)."""
     from accelerate.utils import extract_model_from_parallel
 
     model = extract_model_from_parallel(trainer.model)
-    stats = getattr(model, "generate_stats", None) or {"calls": 0, "forwards": 0}
+    stats = getattr(model, "generate_stats", None) or {"calls": 0, "forwards": 0, "per_call": []}
     logs = trainer.state.log_history
     return {"losses": [h["loss"] for h in logs if "loss" in h], "logs": logs,
-            "generate_calls": stats["calls"], "decode_forwards": stats["forwards"]}
+            "generate_calls": stats["calls"], "decode_forwards": stats["forwards"],
+            "forwards_per_call": list(stats["per_call"])}
 
 
 def _train(build, *args, **kwargs) -> dict:

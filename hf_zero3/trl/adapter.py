@@ -14,6 +14,12 @@ on the rank in three places; :func:`apply` makes each one collective on the trai
 * **Uneven prompt splits** (``LogCompletionsCallback``, ``WeaveCallback``): each rank's prompts are
   padded to the group's largest count before generating; the padding's completions are dropped.
 
+One TRL behaviour is patched process-wide (undone by ``hf_zero3.unpatch()``): after a gathered
+generation TRL's ``add_hooks`` re-registers DeepSpeed's eager ZeRO-3 hooks on the engine, which
+DeepCompile had removed; the compiled training graph then meets parameters the eager hooks hold
+("Cannot free a ZeRO-3 parameter while it is still active in submodules"). On an engine whose
+DeepCompile is active the re-registration is skipped.
+
 Generation itself goes through lockstep generation (installed by ``Zero3Safe``): when TRL already
 holds the whole model gathered, the call uses it as it is (no second gather) and still stops with
 the group's agreed early stop. A failure inside a round is shared with every rank.
@@ -53,15 +59,16 @@ def apply(trainer, zero3safe=None):
         zero3safe.bind(trainer, trainer.model)
         trainer.add_callback(zero3safe)
     adapted = []
+    patches.install("trl.models.utils.add_hooks: not on DeepCompile engines", _patch_add_hooks)
     if trl_up.has_tool_loop(trainer):
         _align_tool_loop(trainer)
         adapted.append("tool_loop")
     if trl_up.per_rank_draw_trainer(trainer):
         _agree_draws(trainer)
         adapted.append("draws")
-    if trl_up.completion_logging_callbacks(trainer):
-        patches.install("trl.trainer.callbacks._generate_completions: even split", _patch_generate_completions)
-        adapted.append("completion_logging")
+    # completion-logging callbacks are added after the trainer exists (they take it as an argument)
+    patches.install("trl.trainer.callbacks._generate_completions: even split", _patch_generate_completions)
+    adapted.append("completion_logging")
     log.info("hf_zero3.trl: %s adapted: %s", type(trainer).__name__, ", ".join(adapted) or "generation only")
     return adapted
 
@@ -167,6 +174,25 @@ def _agree_draws(trainer) -> None:
 
     training_step._hf_zero3 = True
     trainer.training_step = training_step
+
+
+def _patch_add_hooks():
+    """TRL's ``add_hooks(engine)``, except on DeepCompile engines (undo: restore the function)."""
+    import importlib
+
+    from .._upstream import deepspeed as ds_up
+
+    module = importlib.import_module(trl_up.ADD_HOOKS[0])
+    original = getattr(module, trl_up.ADD_HOOKS[1])
+
+    @functools.wraps(original)
+    def add_hooks(model):
+        if ds_up.is_engine(model) and ds_up.deepcompile_active(model):
+            return None  # DeepCompile's graph gathers natively; eager hooks would fight it
+        return original(model)
+
+    setattr(module, trl_up.ADD_HOOKS[1], add_hooks)
+    return lambda: setattr(module, trl_up.ADD_HOOKS[1], original)
 
 
 def _patch_generate_completions():

@@ -26,7 +26,9 @@ def early_stop(rollout, *, sync_every: int = 1, gather: str = "auto"):
     """Give ``rollout`` (a ``deepspeed.runtime.rollout.HybridEngineRollout``) an early stop; returns it.
 
     Covers the default ``model.generate()`` path (greedy and sampling). DeepSpeed's own CUDA-graph
-    greedy path (``use_graph_capture``) and continuous batching keep their fixed step counts.
+    greedy path (``use_graph_capture``) and continuous batching keep their fixed step counts. The
+    engine's model is left in lockstep (:func:`hf_zero3.lockstep`): its other ``generate()`` calls
+    agree their stop too, as every ZeRO-3 generation must.
     ``model.hf_zero3_last_generate.forwards`` tells how many decode forwards the last call ran.
     """
     if getattr(rollout.generate, "_hf_zero3", False):

@@ -1,0 +1,140 @@
+"""What hf_zero3's tagged agreements cost, next to the untagged all-reduce they replace, and their
+share of a lockstep generate() call and of a training step.
+
+Part 1, 2 gloo ranks on this host's loopback (where hf_zero3's agreements run, on a gloo mirror
+of the gather group), median microseconds over many calls:
+  raw      dist.all_reduce of the payload alone (the pre-#11 untagged agreement)
+  tagged   hf_zero3.agree.agree: header + failure slots + payload in one fixed-size all-reduce
+  recorded tagged, plus the c10d-store write of a call-level agreement
+Part 2, one rank (the GPU when present, else a tiny model on CPU): a lockstep generate() call
+(1B shape, bf16, batch 8, 64-token prompts, 128 new tokens, whole model gathered) and an eager
+ZeRO-3 training step (bs 1 x 512), each timed; the call's own agreements are counted from its
+report, the step's are Zero3Safe's one per step plus the memory plan's gate (two per step).
+share = agreements x (tagged - raw) / time, and x tagged / time for the whole cost.
+Run: python benchmarks/agreements/bench_agreements.py
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+from common import llama_1b_config, save, table  # noqa: E402
+
+CALLS = int(os.environ.get("BENCH_AGREE_CALLS", 2000))
+STEP_AGREEMENTS = 3  # Zero3Safe.on_step_begin + the gate's agree_launch for the forward and backward graph
+
+
+def _latencies():
+    import torch
+    import torch.distributed as dist
+
+    from hf_zero3.agree import Tag, agree, host_group
+
+    group = host_group(None)
+    out = {}
+    for n_values in (1, 2):
+        vals = list(range(n_values))
+        for name, fn in (("raw", lambda: dist.all_reduce(torch.tensor(vals, dtype=torch.int64), group=group)),
+                         ("tagged", lambda: agree(Tag("bench", {"stop": "sync"}, 1, 0), None, vals)),
+                         ("recorded", lambda: agree(Tag("bench", {"stop": "sync"}, 1, 0), None, vals,
+                                                    record=True))):
+            for _ in range(50):
+                fn()
+            samples = []
+            for _ in range(CALLS):
+                t = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - t)
+            out[f"{name}_{n_values}"] = statistics.median(samples) * 1e6
+    return out
+
+
+def _gpu_times():
+    import deepspeed
+    import torch
+
+    import hf_zero3
+    from hf_zero3.testing import models
+
+    cuda = torch.cuda.is_available()
+    dtype = torch.bfloat16 if cuda else torch.float32
+    cfg = llama_1b_config() if cuda else models.tiny_llama_config(vocab_size=512, hidden_size=64,
+                                                                  intermediate_size=128)
+    ds = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": 1, "bf16": {"enabled": cuda},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "torch_adam": not cuda}},
+          "zero_optimization": {"stage": 3}, "steps_per_print": 10**9}
+    models.ensure_deepspeed_comm()
+    model = models.plain_model(cfg, dtype=dtype)
+    if cuda:
+        model.gradient_checkpointing_enable()
+    engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
+    dev = engine.device
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    prompt = torch.randint(3, cfg.vocab_size, (8, 64), device=dev)
+    hf_zero3.lockstep(engine, gather="all", sync_every=1)
+    gen = dict(input_ids=prompt, max_new_tokens=128, min_new_tokens=128, pad_token_id=0, do_sample=False)
+    calls = []
+    for i in range(3):
+        sync()
+        t = time.perf_counter()
+        with torch.no_grad():
+            engine.module.generate(**gen)
+        sync()
+        calls.append(time.perf_counter() - t)
+    stats = engine.module.hf_zero3_last_generate
+    engine.train()
+    steps = []
+    for i in range(4):
+        ids = torch.randint(3, cfg.vocab_size, (1, 512), device=dev)
+        sync()
+        t = time.perf_counter()
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        sync()
+        steps.append(time.perf_counter() - t)
+    return dict(generate_s=min(calls[1:]), generate_agreements=stats.agreements + 1,  # + the gather decision
+                step_s=min(steps[1:]), device="cuda" if cuda else "cpu")
+
+
+def main():
+    from hf_zero3.testing import run_ranks
+
+    lat = run_ranks(_latencies, 2, timeout=600, pg_timeout=60)[0]
+    times = run_ranks(_gpu_times, 1, backend="nccl" if _cuda() else "gloo", init="deepspeed", timeout=600,
+                      pg_timeout=120)[0]
+    extra = lat["tagged_1"] - lat["raw_1"]
+    rows = [
+        {"what": "one agreement (1 value)", "raw_us": lat["raw_1"], "tagged_us": lat["tagged_1"],
+         "recorded_us": lat["recorded_1"]},
+        {"what": "one agreement (2 values)", "raw_us": lat["raw_2"], "tagged_us": lat["tagged_2"],
+         "recorded_us": lat["recorded_2"]},
+    ]
+    shares = [
+        {"call": f"generate 8x128 ({times['device']})", "seconds": times["generate_s"],
+         "agreements": times["generate_agreements"],
+         "tag_share_pct": 100 * times["generate_agreements"] * extra / 1e6 / times["generate_s"],
+         "agree_share_pct": 100 * times["generate_agreements"] * lat["tagged_1"] / 1e6 / times["generate_s"]},
+        {"call": f"train step bs1x512 eager ZeRO-3 ({times['device']})", "seconds": times["step_s"],
+         "agreements": STEP_AGREEMENTS,
+         "tag_share_pct": 100 * STEP_AGREEMENTS * extra / 1e6 / times["step_s"],
+         "agree_share_pct": 100 * STEP_AGREEMENTS * lat["tagged_1"] / 1e6 / times["step_s"]},
+    ]
+    print(table(rows, ["what", "raw_us", "tagged_us", "recorded_us"]))
+    print(table(shares, ["call", "seconds", "agreements", "tag_share_pct", "agree_share_pct"]))
+    print("saved", save("agreements", {"latency_us": lat, "times": times, "rows": rows, "shares": shares}, HERE))
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,337 @@
+"""The real TRL trainers and DeepSpeed's ``HybridEngineRollout`` under strict ZeRO-3 on 2 gloo ranks.
+
+Every TRL case trains a tiny trainer of :mod:`hf_zero3.testing.trl_jobs` for 2 optimizer steps
+with ``callbacks=[Zero3Safe()]`` (which applies :func:`hf_zero3.trl.apply`), the ranks made to
+diverge on purpose (per-rank EOS, a tool call on rank 0 only, per-rank GKD draws), and checks
+that both ranks finish with the same losses (a mean over the group) and ran the same
+``generate()`` calls with the same decode forwards. Controls run the worst cases without the fix
+and must crash or hang. Each launch runs several trainers one after another (rank start-up
+dominates on CPU).
+"""
+
+import math
+
+import pytest
+import torch
+
+from hf_zero3.testing import DistributedFailure, mark, run_ranks
+
+GRPO_LEN, TOOL_LEN, GKD_LEN, GOLD_LEN, DISTILL_LEN = 16, 80, 8, 8, 16  # trl_jobs' budgets
+STEPS = 2  # trl_jobs' max_steps
+
+
+# -- rank functions ------------------------------------------------------------------------------
+def _train(build, tmpdir, **kwargs):
+    """Build a trl_jobs trainer with Zero3Safe, train it; its results plus the runtime report."""
+    import hf_zero3
+    from hf_zero3.testing import trl_jobs
+
+    mark(f"building {build.__name__} {kwargs}")
+    trainer = build(tmpdir, callbacks=[hf_zero3.Zero3Safe()], **kwargs)
+    mark(f"training {build.__name__} {kwargs}")
+    trainer.train()
+    out = trl_jobs._result(trainer)
+    last = hf_zero3.runtime_of(trainer.model).last_generate
+    out["gather"] = last.gather if last is not None else None
+    out["trainer_model"] = type(trainer.model).__name__
+    trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    out["only_lora_trains"] = bool(trainable) and all("lora_" in n for n in trainable)
+    out["first_draw"] = next((cb.first_draw for cb in trainer.callback_handler.callbacks
+                              if isinstance(cb, trl_jobs.DivergentDraws)), None)
+    return out
+
+
+GRPO_CASES = {
+    "grpo_gather": dict(gather=True),
+    "grpo_nogather": dict(gather=False),
+    "grpo_eos": dict(gather=True, diverge_eos=True),
+    "grpo_tools_gather": dict(gather=True, tools=True),
+    "grpo_tools_nogather": dict(gather=False, tools=True),
+    "grpo_peft_lora": dict(gather=True, peft=True),
+}
+DISTILL_CASES = {
+    "gkd_draws": ("gkd_trainer", dict(lmbda=0.5)),  # trl_jobs default: divergent draws
+    "gold_eos": ("gold_trainer", dict(diverge_eos=True)),
+    "distill_eos": ("distillation_trainer", dict(diverge_eos=True)),
+    "distill_tools": ("distillation_trainer", dict(tools=True)),
+}
+
+
+def _grpo_cases(tmpdir):
+    from hf_zero3.testing import trl_jobs
+
+    return {name: _train(trl_jobs.grpo_trainer, f"{tmpdir}/{name}", **kw)
+            for name, kw in GRPO_CASES.items()}
+
+
+def _distill_cases(tmpdir):
+    from hf_zero3.testing import trl_jobs
+
+    return {name: _train(getattr(trl_jobs, build), f"{tmpdir}/{name}", **kw)
+            for name, (build, kw) in DISTILL_CASES.items()}
+
+
+# -- fixtures: one launch per trainer family -----------------------------------------------------
+@pytest.fixture(scope="module")
+def grpo_results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("grpo")
+    return run_ranks(_grpo_cases, 2, args=(str(tmp),), init="deepspeed", timeout=240, pg_timeout=20)
+
+
+@pytest.fixture(scope="module")
+def distill_results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("distill")
+    return run_ranks(_distill_cases, 2, args=(str(tmp),), init="deepspeed", timeout=240,
+                     pg_timeout=20)
+
+
+def _both(results, name):
+    return results[0][name], results[1][name]
+
+
+def _check_common(r0, r1, budget):
+    """Both ranks: same finite losses (one per step), same calls, same forwards per call."""
+    assert len(r0["losses"]) == STEPS and all(math.isfinite(x) for x in r0["losses"])
+    assert r0["losses"] == r1["losses"]  # logged as the group's mean: bit-identical
+    assert r0["generate_calls"] == r1["generate_calls"] > 0
+    assert r0["decode_forwards"] == r1["decode_forwards"]
+    assert r0["forwards_per_call"] == r1["forwards_per_call"]
+    assert sum(r0["forwards_per_call"]) == r0["decode_forwards"]
+    assert all(1 <= f <= budget for f in r0["forwards_per_call"]), r0["forwards_per_call"]
+
+
+def _log(result, key):
+    return [h[key] for h in result["logs"] if key in h]
+
+
+# -- GRPO ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name,gather", [("grpo_gather", "held"), ("grpo_nogather", "all")])
+def test_grpo_default_reuses_trl_gather(grpo_results, name, gather):
+    r0, r1 = _both(grpo_results, name)
+    _check_common(r0, r1, GRPO_LEN)
+    assert r0["generate_calls"] == STEPS  # one generation round per step
+    # ds3_gather_for_generation=True: TRL's GatheredParameters model is used as it is (no second
+    # gather); False: lockstep gathers the whole model once per call itself
+    assert r0["gather"] == r1["gather"] == gather
+
+
+def test_grpo_divergent_eos_runs_the_longest_ranks_steps(grpo_results):
+    r0, r1 = _both(grpo_results, "grpo_eos")
+    _check_common(r0, r1, GRPO_LEN)
+    # rank 0's rows end at their 2nd token, rank 1's never: both ranks run rank 1's full budget
+    assert r0["forwards_per_call"] == [GRPO_LEN] * STEPS
+    assert _log(r0, "completions/min_length") == [2.0] * STEPS
+    assert _log(r0, "completions/max_length") == [float(GRPO_LEN)] * STEPS
+    assert r0["gather"] == "held"
+
+
+@pytest.mark.parametrize("name", ["grpo_tools_gather", "grpo_tools_nogather"])
+def test_grpo_tool_round_of_one_rank_is_joined(grpo_results, name):
+    r0, r1 = _both(grpo_results, name)
+    _check_common(r0, r1, TOOL_LEN)
+    # per step: the first turn and rank 0's post-tool turn, which rank 1 joins with a placeholder
+    assert r0["generate_calls"] == r1["generate_calls"] == 2 * STEPS
+    first, post = r0["forwards_per_call"][0::2], r0["forwards_per_call"][1::2]
+    # post-tool turn: rank 0 ends at its first token, the placeholder counts as finished, so the
+    # agreed stop comes after one forward
+    assert post == [1] * STEPS
+    # first turn: rank 0's tool call ends early, rank 1 never calls a tool and runs its budget
+    assert first == [TOOL_LEN] * STEPS
+    assert _log(r0, "tools/call_frequency") and all(x > 0 for x in _log(r0, "tools/call_frequency"))
+    assert r0["gather"] == r1["gather"] == ("held" if name == "grpo_tools_gather" else "all")
+
+
+def test_grpo_peft_lora(grpo_results):
+    r0, r1 = _both(grpo_results, "grpo_peft_lora")
+    assert r0["trainer_model"] == "PeftModel" and r0["only_lora_trains"]
+    _check_common(r0, r1, GRPO_LEN)
+    assert r0["generate_calls"] == STEPS
+    assert r0["gather"] == r1["gather"] == "held"
+
+
+# -- GKD / GOLD / DistillationTrainer ------------------------------------------------------------
+def test_gkd_divergent_draws_take_one_branch(distill_results):
+    r0, r1 = _both(distill_results, "gkd_draws")
+    # the scripted step-0 draws really differ: rank 0 on-policy, rank 1 off-policy
+    assert r0["first_draw"] <= 0.5 < r1["first_draw"]
+    _check_common(r0, r1, GKD_LEN)
+    # rank 0's draw decides for the group: step 0 generates on both ranks
+    assert 1 <= r0["generate_calls"] <= STEPS
+
+
+def test_gold_divergent_eos(distill_results):
+    r0, r1 = _both(distill_results, "gold_eos")
+    _check_common(r0, r1, GOLD_LEN)
+    assert r0["forwards_per_call"] == [GOLD_LEN] * STEPS  # lmbda=1.0: every step generates
+
+
+def test_distillation_divergent_eos(distill_results):
+    r0, r1 = _both(distill_results, "distill_eos")
+    _check_common(r0, r1, DISTILL_LEN)
+    assert r0["forwards_per_call"] == [DISTILL_LEN] * STEPS
+
+
+def test_distillation_tool_round_of_one_rank_is_joined(distill_results):
+    r0, r1 = _both(distill_results, "distill_tools")
+    _check_common(r0, r1, TOOL_LEN)
+    assert r0["generate_calls"] == 2 * STEPS
+    assert r0["forwards_per_call"][1::2] == [1] * STEPS
+
+
+# -- controls: the same divergence without the fix crashes or hangs ------------------------------
+# (No control for GRPO with TRL's defaults: its old failure no longer reproduces without the fix.)
+def _control(run_name, tmpdir, **kwargs):
+    from hf_zero3.testing import trl_jobs
+
+    return getattr(trl_jobs, run_name)(tmpdir, **kwargs)  # no Zero3Safe
+
+
+def _expect_failure(tmp_path, run_name, **kwargs):
+    with pytest.raises(DistributedFailure) as info:
+        run_ranks(_control, 2, args=(run_name, str(tmp_path)), kwargs=kwargs, init="deepspeed",
+                  timeout=60, pg_timeout=8)
+    failure = info.value
+    assert "ok" not in failure.outcomes.values(), failure.outcomes
+    # it broke while training, not while building
+    assert all(r.state.startswith("training") for r in failure.reports), str(failure)
+    return failure
+
+
+def test_control_grpo_tools_without_fix_crashes(tmp_path):
+    failure = _expect_failure(tmp_path, "run_grpo", tools=True)
+    # rank 1 left TRL's tool loop one generate() early: gloo aborts or errors on a mismatch
+    assert set(failure.outcomes.values()) <= {"error", "died"}, str(failure)
+
+
+def test_control_gkd_divergent_draws_without_fix_hangs(tmp_path):
+    failure = _expect_failure(tmp_path, "run_gkd")
+    # rank 0 generates (gathering per layer), rank 1 does not: a collective waits in vain
+    assert "Timed out" in str(failure) or "hang" in failure.outcomes.values(), str(failure)
+
+
+# -- completion logging: TRL splits the prompts unevenly across ranks -----------------------------
+def _log_completions(tmpdir, fixed: bool):
+    """GRPO with TRL's LogCompletionsCallback over 3 prompts, eval batch 1: rank 0 gets 2 prompts
+    (2 generate() calls), rank 1 gets 1, after every step."""
+    import hf_zero3
+    from hf_zero3.testing import trl_jobs
+    from trl import LogCompletionsCallback
+
+    trainer = trl_jobs.grpo_trainer(tmpdir, callbacks=[hf_zero3.Zero3Safe()] if fixed else [])
+    trainer.args.per_device_eval_batch_size = 1
+    trainer.eval_dataset = trl_jobs._prompts(3)
+    logger = LogCompletionsCallback(trainer, freq=1)
+    # datasets 5 returns a Column, which accelerate's split_between_processes does not split (every
+    # rank generates every prompt); a list (datasets < 4, or any list-backed eval set) is split
+    # unevenly across ranks: the case the adapter pads
+    logger.eval_dataset = {"prompt": list(trainer.eval_dataset["prompt"])}
+    trainer.add_callback(logger)
+    mark(f"training with completion logging (fixed={fixed})")
+    trainer.train()
+    out = trl_jobs._result(trainer)
+    out["logged"] = len(logger.table)
+    return out
+
+
+def test_completion_logging_pads_the_uneven_split(tmp_path):
+    r0, r1 = run_ranks(_log_completions, 2, args=(str(tmp_path), True), init="deepspeed", timeout=200,
+                       pg_timeout=20)
+    assert r0["generate_calls"] == r1["generate_calls"]  # rank 1 generates a padding prompt too
+    assert r0["forwards_per_call"] == r1["forwards_per_call"]
+    assert r0["logged"] == 3 * STEPS  # the padding's completion is dropped: 3 prompts a step
+    assert r0["generate_calls"] == STEPS * (1 + 2)  # a rollout and 2 logging calls (batch 1) a step
+
+
+def test_control_completion_logging_without_fix_fails(tmp_path):
+    with pytest.raises(DistributedFailure) as info:
+        run_ranks(_log_completions, 2, args=(str(tmp_path), False), init="deepspeed", timeout=60, pg_timeout=8)
+    assert "ok" not in info.value.outcomes.values(), info.value.outcomes
+
+
+# -- DeepSpeed HybridEngineRollout ---------------------------------------------------------------
+class _TokenizerStandIn:
+    """HybridEngineRollout.generate (and hf_zero3.trl.early_stop) read only ``eos_token_id`` and
+    ``pad_token_id`` from the tokenizer on the default ``model.generate()`` path."""
+
+    def __init__(self, eos_token_id, pad_token_id):
+        self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
+
+
+ROLLOUT_STEPS = 24
+
+
+def _rollout_run():
+    import torch.distributed as dist
+    from _zero3_workers import ForwardCounter, build_engine
+    from deepspeed.runtime.rollout import HybridEngineRollout, RolloutRequest, SamplingConfig
+
+    import hf_zero3.trl
+    from hf_zero3.testing.scenarios import find_eos_scenario
+
+    torch.set_num_threads(1)  # two ranks share a small CPU
+    rank = dist.get_rank()
+    engine, ref = build_engine(hf_aware=False)  # engine only: transformers cannot see ZeRO-3
+    sc = find_eos_scenario(ref, steps=ROLLOUT_STEPS, early_by=8)
+    early = sorted(sc.early, key=lambda e: e[1])  # same on every rank (same reference weights)
+    assert len(early) >= 3 and early[0][1] < early[-1][1], early
+    # rank 0: the two earliest; rank 1: the latest alone -> every row of every rank hits EOS early
+    mine = early[:2] if rank == 0 else early[-1:]
+    prompts = torch.tensor([p for p, _ in mine])
+    request = RolloutRequest(prompt_ids=prompts, prompt_attention_mask=torch.ones_like(prompts))
+    rollout = HybridEngineRollout(engine, _TokenizerStandIn(sc.eos_token_id, pad_token_id=0))
+    counter = ForwardCounter(engine.module)
+    greedy = SamplingConfig(max_new_tokens=ROLLOUT_STEPS, temperature=0.0)
+    sample = SamplingConfig(max_new_tokens=ROLLOUT_STEPS, temperature=1.0)
+
+    def run(name, sampling):
+        mark(f"rollout {name}")
+        torch.manual_seed(1234)
+        batch = rollout.generate(request, sampling)
+        stats = getattr(engine.module, "hf_zero3_last_generate", None)
+        return dict(input_ids=batch.input_ids.tolist(), attention_mask=batch.attention_mask.tolist(),
+                    response_start_idx=batch.response_start_idx.tolist(),
+                    forwards=counter.take(), stats_forwards=getattr(stats, "forwards", None))
+
+    out = {"eos_steps": [s for _, s in mine], "prompt_len": prompts.shape[1]}
+    out["plain_greedy"] = run("plain greedy", greedy)
+    out["plain_sample"] = run("plain sample", sample)
+    hf_zero3.trl.early_stop(rollout)
+    out["fixed_greedy"] = run("early-stop greedy", greedy)
+    out["fixed_sample"] = run("early-stop sample", sample)
+    return out
+
+
+@pytest.fixture(scope="module")
+def rollout_results():
+    return run_ranks(_rollout_run, 2, timeout=150, pg_timeout=20)
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sample"])
+def test_rollout_early_stop_keeps_outputs(rollout_results, mode):
+    for res in rollout_results:
+        plain, fixed = res[f"plain_{mode}"], res[f"fixed_{mode}"]
+        for key in ("input_ids", "attention_mask", "response_start_idx"):
+            assert fixed[key] == plain[key], key
+        assert len(plain["input_ids"][0]) == res["prompt_len"] + ROLLOUT_STEPS
+
+
+def test_rollout_early_stop_stops_at_the_groups_last_eos(rollout_results):
+    r0, r1 = rollout_results
+    longest = max(r0["eos_steps"] + r1["eos_steps"])
+    assert longest < ROLLOUT_STEPS and r0["eos_steps"] != r1["eos_steps"]
+    # plain: DeepSpeed ignores EOS, every rank runs the full budget
+    assert r0["plain_greedy"]["forwards"] == r1["plain_greedy"]["forwards"] == ROLLOUT_STEPS
+    # early stop (sync_every=1): the forward that produced the group's last EOS is the last one
+    assert r0["fixed_greedy"]["forwards"] == r1["fixed_greedy"]["forwards"] == longest
+    assert r0["fixed_greedy"]["stats_forwards"] == longest
+    # each rank's rows did end early in the plain output too (EOS kept, padding after it)
+    for res in rollout_results:
+        start = res["plain_greedy"]["response_start_idx"][0]
+        for row, step in zip(res["plain_greedy"]["attention_mask"], res["eos_steps"]):
+            assert sum(row[start:]) == step
+
+
+def test_rollout_sampling_forwards_agree(rollout_results):
+    r0, r1 = rollout_results
+    assert r0["plain_sample"]["forwards"] == r1["plain_sample"]["forwards"] == ROLLOUT_STEPS
+    assert r0["fixed_sample"]["forwards"] == r1["fixed_sample"]["forwards"] <= ROLLOUT_STEPS

@@ -1,0 +1,38 @@
+"""Issues #11 and #12 on real GPUs (marked gpu; `make gpu-test`): two DeepCompile engines in one
+process each keep their own memory plan; a TRL GRPO policy under DeepCompile trains, generates
+between steps and evaluates without recompiling its training graphs."""
+
+import math
+
+import pytest
+
+from _launch import run as _run
+
+pytestmark = pytest.mark.gpu
+
+
+def test_two_deepcompile_engines_keep_their_own_plan():
+    from _runtime_workers import two_deepcompile_engines
+
+    for r in _run(two_deepcompile_engines):
+        assert all(math.isfinite(x) for x in r["losses"]) and len(r["losses"]) == 4
+        assert r["own"] == (True, True, True)
+        assert r["policy_plan"]["graphs"] >= 2  # the policy's graphs went to the policy's plan
+        assert r["reference_plan"]["graphs"] == 0  # the evaluated reference never entered its graph
+        assert max(r["diffs"]) < 0.1, r["diffs"]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "DeepCompile's backward fails on TRL GRPO's forward (RuntimeError: size of tensor a (0) must match b (1024), "
+    "after 'DeepCompile profiling failed ... a leaf Variable that requires grad is being used in an in-place "
+    "operation' on its graph-broken pieces), with and without gradient checkpointing, 1xH200, DeepSpeed 0.19.8, "
+    "transformers 5.17, TRL 1.16 (benchmarks/RESULTS.md). Not a collective divergence; open."))
+def test_trl_grpo_under_deepcompile_trains_generates_and_evaluates(tmp_path):
+    from _runtime_workers import grpo_deepcompile
+
+    for r in _run(grpo_deepcompile, str(tmp_path), timeout=560):
+        assert r["deepcompile"] and r["plan"] and r["plan"]["graphs"] >= 2, r
+        assert len(r["losses"]) == 5 and all(math.isfinite(x) for x in r["losses"])
+        assert len(r["evals"]) >= 2
+        assert r["gather"] == "held"  # TRL's gathered model reused, DeepCompile's graph bypassed
+        assert r["graphs"][-1] == r["graphs"][0], r["graphs"]  # compiled at step 0, never again
