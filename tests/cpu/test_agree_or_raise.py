@@ -219,9 +219,9 @@ def _out_of_step():
     return out
 
 
-@pytest.fixture(scope="module")
-def out_of_step_results():
-    return run_ranks(_out_of_step, 2, timeout=200, pg_timeout=20)
+@pytest.fixture(scope="module", params=[2, 3], ids=["2-ranks", "3-ranks"])
+def out_of_step_results(request):
+    return run_ranks(_out_of_step, request.param, timeout=200, pg_timeout=20)
 
 
 @pytest.mark.parametrize("case,differs", [("stop_differs", "stop"), ("sync_every_differs", "sync_every"),
@@ -238,7 +238,7 @@ def test_ranks_out_of_step_raise_a_named_divergence_quickly(out_of_step_results,
 def test_a_shared_error_lets_every_rank_retry_in_step(out_of_step_results):
     for r in out_of_step_results:
         assert r["retry_after_shared_error"]["raised"] is None
-        assert r["retry_outputs"] == [None, True]  # both ranks failed the first call, got the second right
+        assert r["retry_outputs"] == [None, True]  # every rank failed the first call, got the second right
 
 
 def _untagged_agreements_control():

@@ -18,7 +18,7 @@ def test_sizes_parse_and_bad_sizes_name_the_format():
     assert parse_bytes("15GiB") == 15 * GiB and parse_bytes("16GB") == 16 * 10**9
     assert parse_bytes(1024, minimum=1) == 1024 and parse_bytes("2e9") == 2 * 10**9
     assert parse_bytes("auto") is None and parse_bytes(None) is None
-    with pytest.raises(ConfigError, match="not a size; write e.g. 15GiB"):
+    with pytest.raises(ConfigError, match="not a size; write a size such as 15GiB"):
         parse_bytes("lots")
     with pytest.raises(ConfigError, match="must be positive"):
         parse_bytes(-1)
