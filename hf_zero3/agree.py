@@ -5,7 +5,7 @@ order. Every choice that changes the collectives (stop generating? gather the wh
 prefetch?) is reduced across the group first, and every agreement is *tagged* and *agree-or-raise*:
 
 * one fixed-size all-reduce (``3 + SMALL`` integers) carries a 56-bit digest of the header
-  (operation, the options that must match, the per-model call counter, the training step, the
+  (operation, the options that must match, the model, its count of collective calls, the
   payload's size), a failure flag and up to ``SMALL`` values. Its size is the same for every
   operation, so two ranks in different hf_zero3 operations pair up and see the difference
   instead of deadlocking or exchanging garbage;
@@ -22,8 +22,9 @@ prefetch?) is reduced across the group first, and every agreement is *tagged* an
 
 What cannot be detected: an extra call on one rank that the other ranks' *next* call of the same
 operation with the same options and counter pairs up with (data differs legitimately between
-ranks, so nothing else tells the calls apart); the training step in the header exposes it at the
-first agreement after the next optimizer step, the timeout at the end of the run.
+ranks, so nothing else tells the calls apart); the next agreement of another kind exposes it
+(``Zero3Safe`` agrees once per training step, tagged with the Trainer's step), the timeout at the
+end of the run.
 """
 
 from __future__ import annotations
@@ -41,44 +42,43 @@ from typing import Any, Sequence
 
 import torch
 
-from .errors import RankDivergenceError, builtin_base, rank_failure_type
+from .errors import RankDivergenceError, RankFailure, builtin_base, rank_failure_type
 
-__all__ = ["Tag", "agree", "all_max", "all_min", "all_equal", "host_group", "agreement_stats",
-           "SMALL", "TIMEOUT_ENV"]
+__all__ = ["Tag", "agree", "all_max", "all_min", "all_equal", "host_group", "group_ranks", "SMALL",
+           "TIMEOUT_ENV"]
 
 MAGIC = 0x687A33  # "hz3"
 PROTOCOL = 1
 SMALL = 5            # values carried in the fixed-size all-reduce; more go in a second one
 DETAIL_BYTES = 4096  # per rank, error paths only
+ERROR_CHARS = 1500   # of a failing rank's message: the tag and the error type always fit
 TIMEOUT_ENV = "HF_ZERO3_AGREE_TIMEOUT"
 
-_STATS = {"agreements": 0, "seconds": 0.0, "big": 0}
 _HOST_GROUPS: dict[tuple, Any] = {}
 _HOST_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
 class Tag:
-    """What an agreement is about. ``op`` and ``options`` must be equal on every rank; ``counter``
-    (the model's call count) and ``step`` (its engine's optimizer step) must be too."""
+    """What an agreement is about. ``op``, ``options`` and ``counter`` (the model's count of
+    collective calls) must be equal on every rank."""
 
     op: str
     options: dict = field(default_factory=dict)
     counter: int = 0
-    step: int = 0
 
     def digest(self, n_values: int, big: int) -> int:
         """56 bits over everything that must be equal on every rank (also the payload's size)."""
-        text = f"{MAGIC}|{PROTOCOL}|{self.op}|{self.counter}|{self.step}|{_canonical(self.options)}|{n_values}|{big}"
+        text = f"{MAGIC}|{PROTOCOL}|{self.op}|{self.counter}|{_canonical(self.options)}|{n_values}|{big}"
         return _hash56(text)
 
     def describe(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in sorted(self.options.items()))
-        return f"'{self.op}' (call {self.counter}, step {self.step}{', ' + opts if opts else ''})"
+        return f"'{self.op}' (call {self.counter}{', ' + opts if opts else ''})"
 
     def to_json(self) -> dict:
         return {"op": self.op, "options": {k: _jsonable(v) for k, v in self.options.items()},
-                "counter": self.counter, "step": self.step}
+                "counter": self.counter}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -105,22 +105,32 @@ def _dist():
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
-def _ranks(group) -> tuple[int, ...]:
-    dist = _dist()
+def group_ranks(group) -> tuple[int, ...]:
+    """Global ranks of ``group`` (None or WORLD: every rank)."""
+    import torch.distributed as dist
+
     if group is None or group is dist.group.WORLD:
         return tuple(range(dist.get_world_size()))
     return tuple(dist.get_process_group_ranks(group))
 
 
-_GROUP_FACTS: dict[int, tuple] = {}  # id(group) -> (group, ranks, my index, mirror, timeout)
+_GROUP_FACTS: dict[tuple, tuple] = {}  # (id(WORLD), id(group)) -> (group, ranks, my index, mirror, timeout)
+
+
+def _world_key() -> int:
+    """Identifies the current default process group: caches die with a re-initialised world."""
+    import torch.distributed as dist
+
+    return id(dist.group.WORLD)
 
 
 def _facts(group):
-    """(ranks, my index in them, gloo mirror, timeout) of ``group``, computed once per group."""
-    key = id(group) if group is not None else 0
+    """(ranks, my index in them, gloo mirror, timeout) of ``group``, computed once per group (the
+    timeout is read then: set ``HF_ZERO3_AGREE_TIMEOUT`` before a group's first agreement)."""
+    key = (_world_key(), id(group) if group is not None else 0)
     facts = _GROUP_FACTS.get(key)
     if facts is None or facts[0] is not group:
-        ranks = _ranks(group)
+        ranks = group_ranks(group)
         mirror = host_group(group)
         facts = (group, ranks, ranks.index(_dist().get_rank()), mirror, _timeout(mirror))
         _GROUP_FACTS[key] = facts
@@ -151,25 +161,21 @@ def host_group(group=None):
     they cannot pair with a collective of DeepSpeed's or the user's on ``group`` itself.
     """
     dist = _dist()
-    ranks = _ranks(group)
+    ranks = group_ranks(group)
+    key = (_world_key(), ranks)
     with _HOST_LOCK:
-        if ranks not in _HOST_GROUPS:
+        if key not in _HOST_GROUPS:
             try:
-                _HOST_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo", timeout=_timeout(group),
-                                                     use_local_synchronization=True)
+                _HOST_GROUPS[key] = dist.new_group(list(ranks), backend="gloo", timeout=_timeout(group),
+                                                   use_local_synchronization=True)
             except Exception as exc:  # a torch built without gloo: agree over the group itself
                 import warnings
 
                 warnings.warn(f"hf_zero3: no gloo group for agreements ({exc}); agreeing over the group's own "
                               "backend, which waits for the GPU and shares the group's collective order",
                               RuntimeWarning, stacklevel=2)
-                _HOST_GROUPS[ranks] = group
-        return _HOST_GROUPS[ranks]
-
-
-def agreement_stats() -> dict:
-    """Agreements run by this process and the seconds they took (benchmarks read it)."""
-    return dict(_STATS)
+                _HOST_GROUPS[key] = group
+        return _HOST_GROUPS[key]
 
 
 def agree(tag: Tag, group=None, values: Sequence[int] = (), *, error: BaseException | None = None,
@@ -180,7 +186,8 @@ def agree(tag: Tag, group=None, values: Sequence[int] = (), *, error: BaseExcept
     ``error``: this rank's local failure; every rank then raises the same
     :class:`~hf_zero3.errors.RankFailure` (chained to ``error`` here). ``record``: write this
     rank's position to the c10d store first, so a rank that never arrives can be named by where
-    it last agreed (call-level agreements; per-step ones skip it).
+    it last agreed (a generate() call's start and end, regions, training steps; a generate()
+    call's stop checks skip it).
     Without ``torch.distributed`` (or with one rank) the values come back as they are and
     ``error`` is re-raised.
     """
@@ -190,7 +197,6 @@ def agree(tag: Tag, group=None, values: Sequence[int] = (), *, error: BaseExcept
         if error is not None:
             raise error
         return vals
-    start = time.perf_counter()
     ranks, me, hg, timeout = _facts(group)
     if record:
         _record_position(ranks, tag)
@@ -208,9 +214,6 @@ def agree(tag: Tag, group=None, values: Sequence[int] = (), *, error: BaseExcept
         big = torch.tensor(vals, dtype=torch.int64)
         _wait(dist.all_reduce(big, op=dist.ReduceOp.MAX, group=hg, async_op=True), timeout, tag, ranks)
         result = big.tolist()
-        _STATS["big"] += 1
-    _STATS["agreements"] += 1
-    _STATS["seconds"] += time.perf_counter() - start
     return result
 
 
@@ -226,7 +229,7 @@ def _raise_shared(tag: Tag, error, ranks, hg, timeout) -> None:
     dist = _dist()
     detail = {"tag": tag.to_json()}
     if error is not None:
-        detail["error"] = f"{type(error).__name__}: {error}"
+        detail["error"] = f"{type(error).__name__}: {error}"[:ERROR_CHARS]
         detail["base"] = builtin_base(type(error))
     raw = json.dumps(detail).encode()[:DETAIL_BYTES]
     buf = torch.zeros(DETAIL_BYTES, dtype=torch.uint8)
@@ -239,20 +242,20 @@ def _raise_shared(tag: Tag, error, ranks, hg, timeout) -> None:
         try:
             details[r] = json.loads(data.decode(errors="replace"))
         except ValueError:  # truncated mid-JSON: keep what is readable
-            details[r] = {"tag": {"op": "?", "options": {}, "counter": -1, "step": -1},
-                          "error": data.decode(errors="replace")}
-    tags = {r: Tag(d["tag"]["op"], d["tag"]["options"], d["tag"]["counter"], d["tag"]["step"])
-            for r, d in details.items()}
+            details[r] = {"tag": {"op": "?", "options": {}, "counter": -1}, "error": data.decode(errors="replace")}
+    tags = {r: Tag(d["tag"]["op"], d["tag"]["options"], d["tag"]["counter"]) for r, d in details.items()}
     failed = [r for r in ranks if "error" in details[r]]
     if failed:
         failures = {r: details[r].get("error", "failed") for r in failed}
         bases = {details[r].get("base", "RuntimeError") for r in failed}
-        cls = rank_failure_type(bases.pop() if len(bases) == 1 else "RuntimeError")
         where = "; ".join(f"rank {r} in {tags[r].describe()}: {failures[r]}" for r in failed)
         msg = (f"hf_zero3: rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} of the group "
                f"(ranks {list(ranks)}) failed, so every rank of the group raises this error instead of "
                f"waiting: {where}")
-        exc = cls(msg, tag.op, failures)
+        try:
+            exc = rank_failure_type(bases.pop() if len(bases) == 1 else "RuntimeError")(msg, tag.op, failures)
+        except TypeError:  # a builtin whose constructor takes more than a message (UnicodeDecodeError)
+            exc = RankFailure(msg, tag.op, failures)
         if error is not None:
             raise exc from error
         raise exc
@@ -262,9 +265,9 @@ def _raise_shared(tag: Tag, error, ranks, hg, timeout) -> None:
 def _divergence_message(tags: dict, ranks) -> str:
     fields = []
     first = next(iter(tags.values()))
-    for name in ("op", "counter", "step"):
+    for name in ("op", "counter"):
         if len({getattr(t, name) for t in tags.values()}) > 1:
-            fields.append({"op": "operation", "counter": "call count", "step": "training step"}[name])
+            fields.append({"op": "operation", "counter": "call count"}[name])
     keys = sorted({k for t in tags.values() for k in t.options})
     for k in keys:
         if len({repr(t.options.get(k)) for t in tags.values()}) > 1:
@@ -272,7 +275,7 @@ def _divergence_message(tags: dict, ranks) -> str:
     where = "; ".join(f"rank {r} is in {t.describe()}" for r, t in tags.items())
     hint = ("an hf_zero3 operation (generate, an eval region, a TRL generation round) ran on some ranks "
             "only, or with options that differ per rank")
-    if fields and all(f not in ("operation", "call count", "training step") for f in fields):
+    if fields and all(f not in ("operation", "call count") for f in fields):
         hint = f"pass the same {', '.join(fields)} on every rank"
     return (f"hf_zero3: the ranks {list(ranks)} of a ZeRO-3 group are out of step at {first.op!r} (nothing was "
             f"gathered yet): {where}. They differ in: {', '.join(fields) or 'the agreement size'}. Every rank must "
@@ -311,7 +314,7 @@ def _missing_message(tag: Tag, ranks, exc, waited: float) -> str:
             key = _position_key(ranks, r)
             if store.check([key]):
                 pos = json.loads(store.get(key).decode())
-                t = Tag(pos["op"], pos["options"], pos["counter"], pos["step"])
+                t = Tag(pos["op"], pos["options"], pos["counter"])
                 lines.append(f"rank {r} last agreed in {t.describe()} {time.time() - pos['time']:.0f} s ago")
             else:
                 lines.append(f"rank {r} has not reached any hf_zero3 agreement yet")

@@ -81,7 +81,7 @@ def free_bytes(device: torch.device) -> int:
 
 
 def _local_facts(model: nn.Module, mode: str, layer_hooks: str) -> tuple[list[int], int]:
-    """([fits, -fits, held, -held, -free], mode code) on this rank; raises on a bad argument."""
+    """([-fits, held, -held, -free], bytes needed) on this rank; raises on a bad argument."""
     if mode not in GATHER_MODES:
         raise ValueError(f"gather mode must be one of {GATHER_MODES}, not {mode!r}")
     if layer_hooks not in LAYER_HOOKS:
@@ -91,18 +91,17 @@ def _local_facts(model: nn.Module, mode: str, layer_hooks: str) -> tuple[list[in
     free = free_bytes(zero3.device_of(model))
     fits = int(free >= need + max(int(need * HEADROOM_FRACTION), HEADROOM_MIN_BYTES))
     held = int(bool(params) and all(ds_up.param_available(p) for p in params))
-    return [fits, -fits, held, -held, -free], need
+    return [-fits, held, -held, -free], need
 
 
-def _decide(rt, model: nn.Module, mode: str, layer_hooks: str, op: str) -> GatherPlan:
-    error, facts, need = None, [0, 0, 0, 0, 0], 0
+def _decide(rt, model: nn.Module, mode: str, layer_hooks: str, op: str, group) -> GatherPlan:
+    error, facts, need = None, [0, 0, 0, 0], 0
     try:
         facts, need = _local_facts(model, mode, layer_hooks)
     except Exception as exc:  # shared below: every rank raises it
         error = exc
     # one agreement: the tag carries the mode (must match), the values who fits / who holds
-    fits_max, neg_fits_min, held_max, neg_held_min, neg_free_min = rt.agree(
-        op, facts, error=error, gather=mode)
+    neg_fits_min, held_max, neg_held_min, neg_free_min = rt.agree(op, facts, error=error, group=group, gather=mode)
     if held_max != -neg_held_min:
         raise RuntimeError(
             "hf_zero3: the model's parameters are already gathered on some ranks of its group but not on "
@@ -138,9 +137,7 @@ def gathered_forwards(model_or_engine, mode: str = "auto", group=None,
     if rt.region is not None:  # nested (generate inside an eval loop): the outer region serves
         yield rt.region.plan
         return
-    if group is not None:
-        rt._group = group
-    plan = _decide(rt, model, mode, layer_hooks, op)
+    plan = _decide(rt, model, mode, layer_hooks, op, group)
     with contextlib.ExitStack() as stack:
         rt.region = Region(plan)
         stack.callback(setattr, rt, "region", None)

@@ -2,13 +2,13 @@
 
 The runtime owns the model's gather group, its lockstep and eval settings, the gathered region
 open on it, its memory plan, the call counter its agreements are tagged with, and the report of
-the last ``generate()``. It is attached explicitly, as the one attribute ``hf_zero3_runtime`` on
-the engine, the module it wraps and (for PEFT) the base model that generates, by whichever entry
-point first sees them (``lockstep``, ``eval_forward``, ``Zero3Safe``, the memory plan, the TRL
+the last ``generate()``. It is attached explicitly, as the attribute ``hf_zero3_runtime`` on the
+engine, the module it wraps and (for PEFT) the base model that generates, by whichever entry point
+first sees them (the public report ``hf_zero3_last_generate`` is also left on the generating model) (``lockstep``, ``eval_forward``, ``Zero3Safe``, the memory plan, the TRL
 adapter). Nothing is found by scanning the heap: a bare module handed to ``deepspeed.initialize``
 is served through the eager hooks DeepSpeed put on it (:mod:`hf_zero3._upstream.deepspeed`).
 
-A copied or pickled model does not take its runtime along (the copy gets its own on first use).
+A deep-copied or pickled model does not take its runtime along (the copy gets its own on first use).
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ class Runtime:
         self.memory_plan = None          # MemoryPlanPass bound to this engine
         self.memory_plan_config = None
         self.join = None                 # TRL call alignment: this rank only joins others' calls
-        self._busy = threading.Lock()    # one hf_zero3 collective operation at a time per model
-        self._busy_owner: str | None = None
+        self._busy = threading.Lock()    # one generate() at a time per model (threads queue)
+        self._key: int | None = None
 
     # copies of a model (TRL reference models are deep copies) get their own runtime on first use
     def __reduce__(self):
@@ -89,11 +89,6 @@ class Runtime:
             self._group = zero3.gather_group(self.model)
         return self._group
 
-    @property
-    def step(self) -> int:
-        engine = self.engine
-        return ds_up.engine_global_steps(engine) if engine is not None else 0
-
     def offload(self):
         """The owner of the eager ZeRO-3 hooks (None once DeepCompile removed them, or without an engine)."""
         engine = self.engine
@@ -120,35 +115,35 @@ class Runtime:
     def model_key(self) -> int:
         """Equal on every rank for the same model, different for two models of one process (policy
         and reference): the first DeepSpeed parameter id (a process-wide counter, advanced in the
-        same order on every rank that builds the same models)."""
-        ids = self.param_ids()
-        return min(ids) if ids else -1
+        same order on every rank that builds the same models). Computed once."""
+        if self._key is None:
+            ids = self.param_ids()
+            self._key = min(ids) if ids else -1
+        return self._key
 
     def tag(self, op: str, *, count: bool = True, **options) -> agree.Tag:
-        """The tag of this model's next agreement (``count``: a call-level one, numbered)."""
+        """The tag of this model's next agreement (``count``: a call-level one, numbered). The tag
+        holds nothing a rank could know alone: options, the model, the count of collective calls."""
         if count:
             self.counter += 1
-        return agree.Tag(op, {"model": self.model_key(), **options}, self.counter, self.step)
+        return agree.Tag(op, {"model": self.model_key(), **options}, self.counter)
 
     def agree(self, op: str, values=(), *, error: BaseException | None = None, count: bool = True,
-              record: bool | None = None, **options) -> list[int]:
-        """A tagged agree-or-raise over this model's gather group (see :func:`hf_zero3.agree.agree`)."""
+              record: bool | None = None, group=None, **options) -> list[int]:
+        """A tagged agree-or-raise over ``group`` (default: this model's gather group), see
+        :func:`hf_zero3.agree.agree`."""
         tag = self.tag(op, count=count, **options)
-        return agree.agree(tag, self.group, values, error=error, record=count if record is None else record)
+        return agree.agree(tag, group if group is not None else self.group, values, error=error,
+                           record=count if record is None else record)
 
-    # -- one collective operation at a time ---------------------------------------------------
-    def enter(self, what: str) -> None:
-        """Refuse a second hf_zero3 operation on this model while one runs in another thread (their
-        collectives would interleave in a different order on each rank)."""
-        if not self._busy.acquire(blocking=False):
-            raise RuntimeError(
-                f"hf_zero3: {what} was called while {self._busy_owner} is still running on this model in "
-                "another thread; ZeRO-3 collectives of one model must not overlap. Serialize the calls "
-                "(one generating thread per model on every rank).")
-        self._busy_owner = f"{what} (thread {threading.current_thread().name})"
+    # -- one generate() at a time -------------------------------------------------------------
+    def enter(self) -> None:
+        """Queue behind a generate() of this model running in another thread: each rank runs one call
+        at a time, so calls pair up in order (two calls with the same options pair up whichever
+        order each rank takes them in; different options raise a named divergence)."""
+        self._busy.acquire()
 
     def leave(self) -> None:
-        self._busy_owner = None
         self._busy.release()
 
 

@@ -17,7 +17,7 @@ from ._upstream import deepspeed as ds_up
 
 __all__ = [
     "unwrap", "engine_of", "is_zero3_param", "is_zero3_model", "zero3_params", "gather_group",
-    "group_world_size", "group_ranks", "deepcompile_active", "zero3_hooks_suspended", "full_param_bytes",
+    "group_world_size", "group_ranks", "gather_ranks", "deepcompile_active", "zero3_hooks_suspended", "full_param_bytes",
     "device_of",
 ]
 
@@ -89,11 +89,17 @@ def group_world_size(group) -> int:
 
 def group_ranks(group) -> tuple[int, ...]:
     """Global ranks of ``group`` (None or WORLD: every rank)."""
+    from .agree import group_ranks as ranks
+
+    return ranks(group)
+
+
+def gather_ranks(model: nn.Module) -> set[int]:
+    """Every global rank any of the model's parameters is gathered over (the union of their groups)."""
     import torch.distributed as dist
 
-    if group is None or group is dist.group.WORLD:
-        return tuple(range(dist.get_world_size()))
-    return tuple(dist.get_process_group_ranks(group))
+    groups = {id(g): g for g in (ds_up.param_group(p) or dist.group.WORLD for p in zero3_params(model))}
+    return {r for g in groups.values() for r in group_ranks(g)}
 
 
 def deepcompile_active(model_or_engine) -> bool:

@@ -53,3 +53,10 @@ def set_compiled_call(module: torch.nn.Module, impl) -> None:
 def mark_side_effectful(op) -> None:
     """Keep FX's and inductor's dead-code elimination from dropping ``op`` (output unused)."""
     torch.fx.node._side_effectful_functions.add(op)
+
+
+def real_tensors():
+    """Leave Dynamo's fake-tensor mode for the block (a compile pass running real collectives)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()

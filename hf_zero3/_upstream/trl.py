@@ -31,14 +31,6 @@ def uses_vllm(trainer) -> bool:
     return bool(getattr(trainer, "use_vllm", False))
 
 
-def uses_continuous_batching(trainer) -> bool:
-    return bool(getattr(trainer, "use_transformers_continuous_batching", False))
-
-
-def gathers_for_generation(trainer) -> bool:
-    return bool(getattr(getattr(trainer, "args", None), "ds3_gather_for_generation", True))
-
-
 def single_turn_placeholder_args(trainer, eos_id: int) -> tuple[tuple, dict]:
     """Arguments of a one-row ``_generate_single_turn`` call whose output is thrown away."""
     import inspect
@@ -59,3 +51,14 @@ def per_rank_draw_trainer(trainer) -> bool:
     by class: ``on_init_end`` runs before GKD's ``__init__`` sets ``lmbda``.)"""
     return any(c.__module__.startswith("trl.experimental.gkd") and c.__name__ == "GKDTrainer"
                for c in type(trainer).__mro__)
+
+
+def wrap_module_function(location: tuple[str, str], wrap):
+    """Replace the module-level function at ``location`` ((module, name), e.g. :data:`ADD_HOOKS`) by
+    ``wrap(original)``; returns the undo. TRL looks these up by module global at call time."""
+    import importlib
+
+    module = importlib.import_module(location[0])
+    original = getattr(module, location[1])
+    setattr(module, location[1], wrap(original))
+    return lambda: setattr(module, location[1], original)

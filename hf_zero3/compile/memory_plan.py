@@ -98,17 +98,35 @@ class MemoryPlanPass:
                  bwd):
         # Dynamo turns a backend exception into a graph break (and a confusing failure later), so
         # a plan error leaves this graph unplanned and is raised by the engine's next forward.
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        # Everything that can fail on one rank (planning, its agreements, choosing persistence)
+        # runs before the graph is touched, and its outcome is agreed: a failure on any rank
+        # leaves the graph unplanned on every rank.
+        from hf_zero3._upstream.torch import real_tensors
+        from hf_zero3.agree import Tag, agree
+        from hf_zero3.errors import Zero3Error
 
-        try:
-            with unset_fake_temporarily():  # the agreements below are real collectives
-                return self._plan(gm, graph_id, graph_order, profiling_results, bwd)
-        except Exception as exc:  # noqa: BLE001 - re-raised from the next forward
-            log.error("hf_zero3 memory plan failed: %s", exc)
-            self.error = self.error or exc
+        with real_tensors():  # the agreements below are real collectives
+            try:
+                prepared, error = self._prepare(graph_id, graph_order, profiling_results, bwd), None
+            except Exception as exc:  # noqa: BLE001 - shared, then re-raised from the next forward
+                prepared, error = None, exc
+            try:
+                if isinstance(error, Zero3Error):
+                    raise error  # an agreement inside planning shared it with every rank already
+                agree(Tag("memory_plan.graph", {"bwd": bool(bwd)}), self.group(profiling_results[graph_id]),
+                      error=error)
+            except Exception as exc:  # noqa: BLE001
+                log.error("hf_zero3 memory plan failed: %s", exc)
+                self.error = self.error or exc
+                self.records.pop((graph_id, bwd), None)
+                return None
+        if prepared is None:
             return None
+        return self._apply(gm, graph_id, bwd, *prepared)
 
-    def _plan(self, gm, graph_id, graph_order, profiling_results, bwd):
+    def _prepare(self, graph_id, graph_order, profiling_results, bwd):
+        """Plan the graph (agreed profile, budget and plan) and, on the last backward graph, choose
+        the persistent parameters; None for a graph DeepCompile could not profile. Touches no graph."""
         prof = profiling_results[graph_id]
         group = self.group(prof)
         if not profile_complete(prof, bwd):  # DeepCompile agrees completeness across ranks
@@ -127,22 +145,30 @@ class MemoryPlanPass:
         if not all_equal([plan.fingerprint(), len(plan.slots)], group, Tag("memory_plan.plan")):
             raise PlanError(f"hf_zero3 memory plan: ranks built different plans for graph {graph_id} from agreed "
                             f"inputs; refusing to run (the all-gathers would be reordered). Please report this.")
-        _rewrite(gm, profile, plan, graph_id, budget.gate_budget, gate=self.config.gate, group=group)
         self.records[(graph_id, bwd)] = PlanRecord(profile, plan, budget)
+        chosen = None
+        if bwd and self.config.persist and self.config.mode == "budget" and _is_last_backward(graph_id, graph_order):
+            chosen = self._choose_persistent(profiling_results, group, budget)
+        return profile, plan, budget, group, chosen
+
+    def _apply(self, gm, graph_id, bwd, profile, plan, budget, group, chosen):
+        _rewrite(gm, profile, plan, graph_id, budget.gate_budget, gate=self.config.gate, group=group)
         _dump(profile, plan, budget)
         log.info("hf_zero3 memory plan graph %s %s: %s; %d of %d gathers prefetched in %d slots, projected peak "
                  "%.2f GiB", graph_id, "bwd" if bwd else "fwd", budget.describe(), plan.prefetched,
                  len(profile.gathers()), len(plan.slots), plan.peak / 2**30)
-        if bwd and self.config.persist and self.config.mode == "budget" and _is_last_backward(graph_id, graph_order):
+        if chosen is not None:
             try:  # gm is rewritten already: hand it back whatever happens here
-                self._persist(profiling_results, group, budget)
+                self._persist(*chosen)
             except Exception as exc:  # noqa: BLE001 - re-raised from the next forward
                 log.error("hf_zero3 memory plan: persistence failed: %s", exc)
                 self.error = self.error or exc
         return gm
 
-    def _persist(self, profiling_results, group, budget: MemoryBudget) -> None:
-        from hf_zero3._upstream.deepspeed import deepcompile_handle, profile_all_peaks
+    def _choose_persistent(self, profiling_results, group, budget: MemoryBudget) -> tuple[tuple, dict]:
+        """(parameter ids to keep gathered, their sizes): agreed, by benefit per byte within what the
+        budget has left over every planned graph's peak."""
+        from hf_zero3._upstream.deepspeed import profile_all_peaks
         from hf_zero3.agree import Tag, all_equal, all_max
 
         peaks = [r.plan.peak for r in self.records.values()]
@@ -160,6 +186,11 @@ class MemoryPlanPass:
         chosen = plan_persistence([(d, size_of[d], time_of[d]) for d in sorted(size_of)], max(peak), budget.budget)
         if not all_equal([len(chosen), hash(chosen) & 0x7FFFFFFFFFFFFFFF], group, tag):
             raise PlanError("hf_zero3 memory plan: ranks chose different persistent parameters; refusing to run")
+        return chosen, size_of
+
+    def _persist(self, chosen: tuple, size_of: dict) -> None:
+        from hf_zero3._upstream.deepspeed import deepcompile_handle
+
         persist = self.persist_fn or deepcompile_handle().set_persistent
         for ds_id in chosen:
             persist(ds_id)
@@ -335,7 +366,7 @@ def apply_memory_plan(engine, config: MemoryPlanConfig | None = None) -> tuple[M
         raise ConfigError(f"the memory plan schedules ZeRO-3 all-gathers; this engine runs ZeRO stage "
                           f"{engine_zero_stage(engine)} (set zero_optimization.stage to 3)")
     rt = runtime_of(engine)
-    planner = MemoryPlanPass(config, engine)
+    planner = MemoryPlanPass(config, engine, runtime=rt)
     register_compile_pass(PASS_NAME, _DISPATCHER, pass_contract())
     if _DISPATCHER.others(planner):
         log.warning("hf_zero3: a second DeepCompile engine in this process. DeepSpeed 0.19.8 keeps one DeepCompile "

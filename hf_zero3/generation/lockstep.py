@@ -81,7 +81,7 @@ class LockstepStats:
 
     forwards: int = 0          # decode forwards including the prefill
     steps_budget: int = 0      # agreed maximum number of steps
-    agreements: int = 0        # agreements issued by the call (begin, stop checks, end)
+    agreements: int = 0        # the call's agreements (start, budget, stop checks, end; not the region's)
     gather: str = "none"       # "all", "layerwise", "held" or "none"
     extra_forwards: int = 0    # forwards run after this rank's own sequences were done
     stop: str = "sync"
@@ -103,7 +103,8 @@ class _Call:
     def _agree(self, op: str, values=(), *, error=None, count=False, record=None) -> list[int]:
         self.stats.agreements += 1
         try:
-            return self.rt.agree(op, values, error=error, count=count, record=record, **self.cfg.options())
+            return self.rt.agree(op, values, error=error, count=count, record=record, group=self.group,
+                                 **self.cfg.options())
         except (RankFailure, RankDivergenceError):
             self.phase = "shared"   # every rank raises this one; nothing more to share
             raise
@@ -113,21 +114,28 @@ class _Call:
         (and, for a decoder-only model, the step budget); then the gathered region opens."""
         agreed = self._agree("generate", [budget, -budget], error=error, count=True)
         self.phase = "encoding"
-        self.region = gathered_forwards(zero3.engine_of(self.model) or self.model, self.cfg.gather,
-                                        self.group, op="generate.gather")
-        self.stats.gather = self.region.__enter__().strategy
+        region = gathered_forwards(zero3.engine_of(self.model) or self.model, self.cfg.gather, self.group,
+                                   op="generate.gather")
+        try:
+            self.stats.gather = region.__enter__().strategy
+        except (RankFailure, RankDivergenceError):
+            self.phase = "shared"  # the region's own agreement shared it already
+            raise
+        self.region = region
         return agreed
 
     def validated(self, error: BaseException | None = None) -> None:
-        """Arguments fully checked (step budget known): agree the budget, then decode. One agreement
-        for a decoder-only call; encoder-decoder calls agreed at the encoder and add one here."""
+        """Arguments fully checked (step budget known): agree the budget, then decode. A decoder-only
+        call agrees once here (then its region decides how to gather); an encoder-decoder call agreed
+        at the encoder and adds the budget's agreement here."""
         budget = self.budget if self.budget is not None else 0
         if self.phase == "validating":
             hi, neg_lo = self.begin(error, budget)
         else:
             hi, neg_lo = self._agree("generate.budget", [budget, -budget], error=error)
         if self.cfg.stop == "fixed" and hi != -neg_lo:
-            raise ValueError(  # identical on every rank: the agreed numbers decide
+            self.phase = "shared"  # identical on every rank: the agreed numbers decide
+            raise ValueError(
                 f"stop='fixed' needs the same number of steps on every rank, but this group's "
                 f"ranks have between {-neg_lo} and {hi} (max_length with unequal prompt "
                 "lengths?); pass max_new_tokens, or use stop='sync'")
@@ -211,8 +219,9 @@ class Zero3GenerationMixin:
             hf_up.generation_hooks_present()
             _refuse_rank_divergent_options(cfg, args, kwargs)
         except Exception as exc:  # shared at the call's first agreement: every rank raises it
-            error, cfg, group = exc, LockstepConfig(), rt.group
-        rt.enter("generate()")
+            error, cfg = exc, LockstepConfig()
+            group = overrides.get("group")  # None: the model's own group (a model with none raises alike)
+        rt.enter()
         try:
             call = rt.loop = _Call(self, rt, cfg, group)
             try:
@@ -286,10 +295,7 @@ def _check_group_matches(model, group) -> None:
 
     if not (dist.is_available() and dist.is_initialized()):
         return
-    own = zero3.gather_group(model)
-    if group is own:
-        return
-    own_ranks, ranks = set(zero3.group_ranks(own)), set(zero3.group_ranks(group))
+    own_ranks, ranks = zero3.gather_ranks(model), set(zero3.group_ranks(group))
     if not own_ranks <= ranks:
         raise ValueError(
             f"group= has ranks {sorted(ranks)} but the model's parameters are gathered over ranks "

@@ -151,7 +151,11 @@ class Zero3Safe(TrainerCallback):
         # a main-process-only eval region) is named here at the latest, not at the timeout.
         if model is not None and zero3.is_zero3_model(model):
             rt = runtime_of(model)
-            if zero3.group_world_size(rt.group) > 1:
+            try:
+                group = rt.group
+            except ValueError:  # parameters over several groups (MoE): no one group to agree over
+                return
+            if zero3.group_world_size(group) > 1:
                 rt.agree("trainer.step", step=state.global_step)
 
     def on_evaluate(self, args, state, control, model=None, **kwargs):
@@ -190,14 +194,15 @@ def _collective_entry(callback: Zero3Safe, name: str, original):
         error = None
         try:
             return original(*args, **kwargs)
-        except Exception as exc:
+        except BaseException as exc:
             error = exc
             raise
         finally:
             model = getattr(trainer, "model", None) if trainer is not None else None
             _close(model)
             callback._attach_engine()
-            if model is not None and zero3.is_zero3_model(model) and not isinstance(error, Zero3Error):
+            shared = isinstance(error, Zero3Error) or (error is not None and not isinstance(error, Exception))
+            if model is not None and zero3.is_zero3_model(model) and not shared:  # (KeyboardInterrupt: no)
                 rt = runtime_of(model)
                 if error is None:
                     rt.agree(f"trainer.{name}.end")

@@ -50,7 +50,14 @@ def apply(trainer, zero3safe=None):
     added as a callback (so ``apply(trainer)`` after construction equals passing
     ``callbacks=[Zero3Safe()]``). Local: nothing is exchanged until the first adapted call.
     Tool rounds of a vLLM trainer are left as they are (vLLM generates outside the ZeRO-3 group).
+    A trainer whose DeepSpeed config is not ZeRO-3 is left alone.
     """
+    from .._upstream.transformers import trainer_deepspeed_config
+
+    stage = ((trainer_deepspeed_config(trainer) or {}).get("zero_optimization") or {}).get("stage")
+    if stage != 3:
+        log.info("hf_zero3.trl: %s does not run ZeRO-3; nothing to adapt", type(trainer).__name__)
+        return []
     require("trl")
     if zero3safe is None:
         from ..trainer.callback import Zero3Safe
@@ -59,7 +66,8 @@ def apply(trainer, zero3safe=None):
         zero3safe.bind(trainer, trainer.model)
         trainer.add_callback(zero3safe)
     adapted = []
-    patches.install("trl.models.utils.add_hooks: not on DeepCompile engines", _patch_add_hooks)
+    patches.install("trl.models.utils.add_hooks: not on DeepCompile engines",
+                    lambda: trl_up.wrap_module_function(trl_up.ADD_HOOKS, _skip_on_deepcompile))
     if trl_up.has_tool_loop(trainer):
         _align_tool_loop(trainer)
         adapted.append("tool_loop")
@@ -67,7 +75,8 @@ def apply(trainer, zero3safe=None):
         _agree_draws(trainer)
         adapted.append("draws")
     # completion-logging callbacks are added after the trainer exists (they take it as an argument)
-    patches.install("trl.trainer.callbacks._generate_completions: even split", _patch_generate_completions)
+    patches.install("trl.trainer.callbacks._generate_completions: even split",
+                    lambda: trl_up.wrap_module_function(trl_up.GENERATE_COMPLETIONS, _evenly_split))
     adapted.append("completion_logging")
     log.info("hf_zero3.trl: %s adapted: %s", type(trainer).__name__, ", ".join(adapted) or "generation only")
     return adapted
@@ -176,42 +185,31 @@ def _agree_draws(trainer) -> None:
     trainer.training_step = training_step
 
 
-def _patch_add_hooks():
-    """TRL's ``add_hooks(engine)``, except on DeepCompile engines (undo: restore the function)."""
-    import importlib
-
+def _skip_on_deepcompile(add_hooks):
+    """TRL's ``add_hooks(engine)``, except on DeepCompile engines (whose graph gathers natively)."""
     from .._upstream import deepspeed as ds_up
 
-    module = importlib.import_module(trl_up.ADD_HOOKS[0])
-    original = getattr(module, trl_up.ADD_HOOKS[1])
-
-    @functools.wraps(original)
-    def add_hooks(model):
+    @functools.wraps(add_hooks)
+    def wrapped(model):
         if ds_up.is_engine(model) and ds_up.deepcompile_active(model):
-            return None  # DeepCompile's graph gathers natively; eager hooks would fight it
-        return original(model)
+            return None
+        return add_hooks(model)
 
-    setattr(module, trl_up.ADD_HOOKS[1], add_hooks)
-    return lambda: setattr(module, trl_up.ADD_HOOKS[1], original)
+    return wrapped
 
 
-def _patch_generate_completions():
-    """Pad each rank's prompts to the group's largest count (undo: restore the module function)."""
-    import importlib
+def _evenly_split(generate_completions):
+    """TRL's ``_generate_completions`` with each rank's prompts padded to the group's largest count."""
 
-    module = importlib.import_module(trl_up.GENERATE_COMPLETIONS[0])
-    original = getattr(module, trl_up.GENERATE_COMPLETIONS[1])
-
-    @functools.wraps(original)
-    def generate_completions(prompts, model, tokenizer, *args, **kwargs):
+    @functools.wraps(generate_completions)
+    def wrapped(prompts, model, tokenizer, *args, **kwargs):
         if not zero3.is_zero3_model(model):
-            return original(prompts, model, tokenizer, *args, **kwargs)
+            return generate_completions(prompts, model, tokenizer, *args, **kwargs)
         rt = runtime_of(model)
         n = len(prompts)
         (most,) = rt.agree("trl.log_completions", [n])
         filler = prompts[-1] if n else (tokenizer.eos_token or " ")
-        out = original(list(prompts) + [filler] * (most - n), model, tokenizer, *args, **kwargs)
+        out = generate_completions(list(prompts) + [filler] * (most - n), model, tokenizer, *args, **kwargs)
         return out[:n]
 
-    setattr(module, trl_up.GENERATE_COMPLETIONS[1], generate_completions)
-    return lambda: setattr(module, trl_up.GENERATE_COMPLETIONS[1], original)
+    return wrapped

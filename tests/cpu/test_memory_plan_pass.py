@@ -95,3 +95,35 @@ def test_impossible_budget_is_raised_by_the_next_forward_with_its_fix():
     for r in run_ranks(_pass_rank, 2, args=(-1,), timeout=240, pg_timeout=60):
         assert not r["rewritten"] and "BudgetTooSmallError" in r["error"]
         assert "at every node" in r["forward_error"] and "Raise the limit" in r["forward_error"]
+
+
+def _one_rank_fails_while_planning():
+    """Rank 1 cannot read its memory while planning; rank 0 plans normally up to that point."""
+    import torch.distributed as dist
+
+    from hf_zero3.compile import MemoryPlanConfig
+    from hf_zero3.compile.gate import MemoryState
+    from hf_zero3.compile.memory_plan import MemoryPlanPass
+    from hf_zero3.testing.fx_profile import STAND_IN_OPS
+
+    rank, gid = dist.get_rank(), 13
+    rec = _recorded()
+    nodes_before = len(rec.gm.graph.nodes)
+    peak = max(m[3] for m in rec.fwd_mem)
+
+    def read_memory():
+        if rank == 1:
+            raise RuntimeError("cudaMemGetInfo failed on rank 1")
+        return MemoryState(allocated=peak // 2, reserved=peak // 2, free=10 * peak, total=11 * peak)
+
+    plan_pass = MemoryPlanPass(MemoryPlanConfig(safety_margin=0.0), ops=STAND_IN_OPS, read_memory=read_memory,
+                               persist_fn=lambda ds_id: None)
+    out = plan_pass(rec.gm, gid, [(gid, True)], {gid: rec}, None, 0.0, None, True)
+    return dict(out=out is None, error=repr(plan_pass.error), untouched=len(rec.gm.graph.nodes) == nodes_before,
+                graphs=plan_pass.summary()["graphs"])
+
+
+def test_a_planning_failure_on_one_rank_leaves_the_graph_unplanned_on_every_rank():
+    for r in run_ranks(_one_rank_fails_while_planning, 2, timeout=120, pg_timeout=20):
+        assert r["out"] and r["untouched"] and r["graphs"] == 0
+        assert "RankRuntimeError" in r["error"] and "cudaMemGetInfo failed on rank 1" in r["error"], r["error"]

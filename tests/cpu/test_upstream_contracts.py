@@ -219,3 +219,24 @@ def test_trl_trainer_methods_and_draw():
         "prompts", "model", "tokenizer"]
     assert trl_up.per_rank_draw_trainer(GKDTrainer.__new__(GKDTrainer))
     assert not trl_up.per_rank_draw_trainer(GRPOTrainer.__new__(GRPOTrainer))
+
+
+def test_trl_module_functions_wrap_and_restore():
+    import importlib
+
+    for location in (trl_up.ADD_HOOKS, trl_up.GENERATE_COMPLETIONS):
+        module = importlib.import_module(location[0])
+        original = getattr(module, location[1])
+        undo = trl_up.wrap_module_function(location, lambda fn: (lambda *a, **k: ("wrapped", fn)))
+        assert getattr(module, location[1])()[1] is original
+        undo()
+        assert getattr(module, location[1]) is original
+
+
+def test_real_tensors_leaves_fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        with torch_up.real_tensors():
+            t = torch.ones(2)
+    assert type(t) is torch.Tensor and t.sum().item() == 2.0
