@@ -4,7 +4,7 @@ share of a lockstep generate() call and of a training step.
 Part 1, 2 gloo ranks on this host's loopback (where hf_zero3's agreements run, on a gloo mirror
 of the gather group), median microseconds over many calls:
   raw      dist.all_reduce of the payload alone (the pre-#11 untagged agreement)
-  tagged   hf_zero3.agree.agree: header + failure slots + payload in one fixed-size all-reduce
+  tagged   hf_zero3.agree.agree: header digest + failure flag + payload in one fixed-size all-reduce
   recorded tagged, plus the c10d-store write of a call-level agreement
 Part 2, one rank (the GPU when present, else a tiny model on CPU): a lockstep generate() call
 (1B shape, bf16, batch 8, 64-token prompts, 128 new tokens, whole model gathered) and an eager
