@@ -230,7 +230,7 @@ class Zero3GenerationMixin:
                 kwargs["synced_gpus"] = True  # keep forwards going on a finished rank
                 out = super().generate(*args, **kwargs)
                 call.end()
-            except BaseException as exc:
+            except Exception as exc:  # (a KeyboardInterrupt is not shared, as in Zero3Safe's evaluate)
                 call.fail(exc)
                 raise
             finally:
