@@ -11,8 +11,15 @@ the median). Ratios use the baselines of the same invocation; where it has none,
 and the row names them in ratios_from_earlier_run.
 
 Run (GPU):  python benchmarks/memory/bench_memory.py [--cap GIB ...] [--settings a,b] [--steps N]
-Each (setting, cap) runs in fresh processes; rows accumulate in memory.json beside this file.
-BENCH_LAYERS=4 shrinks the model for a smoke run.
+            [--optim torch,fused] [--build zero_init,plain] [--ckpt nonreentrant,default] [--jobs N]
+Each cell (setting, cap, optimizer, construction, checkpointing) runs in fresh processes; rows
+accumulate in memory.json beside this file (BENCH_TAG=x writes memoryx.json). The robustness
+matrix of issue #13 crosses the axes: ``--optim fused`` is DeepSpeed's default AdamW (its fused
+CUDA Adam), ``--build plain`` builds ``LlamaForCausalLM(config)`` in fp32 and hands it to
+``deepspeed.initialize`` (no ``zero.Init``), ``--ckpt default`` calls
+``gradient_checkpointing_enable()`` with transformers' defaults. ``--jobs N`` runs N cells at once
+on the same GPUs: peaks and OOMs are per process and stay exact, step times are then only
+comparable within the run (the rows say how many ran together). BENCH_LAYERS=4 shrinks the model.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 from common import llama_1b_config, save, table, world_and_backend  # noqa: E402
 
 SETTINGS = ("plain", "dc_default", "ours", "ours_match")  # dc_default also yields the zero3-only row
+AXES = ("optim", "build", "ckpt")
 LABEL = {"plain": "plain ZeRO-3 (eager)", "dc_zero3": "DeepCompile zero3 pass only",
          "dc_default": "DeepCompile default schedule", "ours": "hf_zero3 plan (budget)",
          "ours_match": "hf_zero3 plan (match_zero3)", "ours_split": "hf_zero3 plan (budget, coalesce off)"}
@@ -39,7 +47,12 @@ def model_config():
     return llama_1b_config(int(os.environ.get("BENCH_LAYERS", 16)))
 
 
-def rank_main(setting: str, cap_gib: float, steps: int, progress: str):
+def _cell(setting, cap_gib, optim="torch", build="zero_init", ckpt="nonreentrant") -> str:
+    return f"{setting}_{cap_gib}_{optim}_{build}_{ckpt}"
+
+
+def rank_main(setting: str, cap_gib: float, steps: int, progress: str, optim: str = "torch",
+              build: str = "zero_init", ckpt: str = "nonreentrant"):
     import deepspeed
     import torch
     import torch.distributed as dist
@@ -52,13 +65,22 @@ def rank_main(setting: str, cap_gib: float, steps: int, progress: str):
         torch.cuda.set_per_process_memory_fraction(cap_gib * 2**30 / total)
     ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
           "train_batch_size": dist.get_world_size(), "bf16": {"enabled": True},
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "torch_adam": True}},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, **({"torch_adam": True} if optim == "torch" else {})}},
           "zero_optimization": {"stage": 3}, "steps_per_print": 10**9}
     if setting != "plain":
         ds["compile"] = {"deepcompile": True}
     mark("build")
-    model = models.zero3_model(model_config(), ds, seed=0, dtype=torch.bfloat16)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if build == "plain":  # as a user writes it: no zero.Init, fp32 on the host, DeepSpeed casts and partitions
+        from transformers import LlamaForCausalLM
+
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(model_config())
+    else:
+        model = models.zero3_model(model_config(), ds, seed=0, dtype=torch.bfloat16)
+    if ckpt == "default":
+        model.gradient_checkpointing_enable()
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
     planner = None
     if setting == "dc_zero3":
@@ -73,8 +95,9 @@ def rank_main(setting: str, cap_gib: float, steps: int, progress: str):
         reset_counters()
         planner = compile_with_memory_plan(engine, MemoryPlanConfig(
             mode="match_zero3" if setting == "ours_match" else "budget", coalesce=setting != "ours_split"))
-    rec = {"setting": setting, "cap_gib": cap_gib, "steps": [], "error": None}
-    path = os.path.join(progress, f"{setting}_{cap_gib}_rank{rank}.json")
+    rec = {"setting": setting, "cap_gib": cap_gib, "optim": optim, "build": build, "ckpt": ckpt, "steps": [],
+           "error": None}
+    path = os.path.join(progress, f"{_cell(setting, cap_gib, optim, build, ckpt)}_rank{rank}.json")
 
     def flush():
         with open(path, "w") as f:
@@ -88,13 +111,19 @@ def rank_main(setting: str, cap_gib: float, steps: int, progress: str):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         t = time.perf_counter()
+        phase = "forward"
         try:
             loss = engine(input_ids=ids, labels=ids).loss
+            phase = "backward"
             engine.backward(loss)
+            phase = "optimizer step"
             engine.step()
             torch.cuda.synchronize()
         except torch.OutOfMemoryError as exc:
-            rec["error"] = f"OOM at step {step}: {str(exc).splitlines()[0]}"
+            msg = str(exc).splitlines()[0]
+            rec["error"] = (f"OOM at step {step} ({phase}): {msg[:msg.find('. GPU') + 1 or None]} "
+                            f"{torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated, "
+                            f"{torch.cuda.memory_reserved() / 2**30:.2f} reserved")
             flush()
             os._exit(3)  # peers fail in their next collective; the parent reads this file
         rec["steps"].append({"t": time.perf_counter() - t, "loss": float(loss.item()),
@@ -108,6 +137,7 @@ def rank_main(setting: str, cap_gib: float, steps: int, progress: str):
 
         rec["gate"] = counters()
         rec["plan"] = planner.summary()
+        rec["calibration"] = [list(h) for h in planner.calibration.history]
     flush()
     return rec
 
@@ -127,6 +157,7 @@ def _row(rec: dict, status: str, tail_from: int | None = None) -> dict:
     steps = rec.get("steps", [])
     row = {"setting": LABEL[rec["setting"]], "cap_gib": rec["cap_gib"] or "none", "status": status,
            "steps_done": len(steps)}
+    row.update({a: rec.get(a, d) for a, d in zip(AXES, ("torch", "zero_init", "nonreentrant"))})
     if steps:
         tail = steps[tail_from:] if tail_from is not None and len(steps) > tail_from else steps[len(steps) // 2:]
         med = statistics.median(s["t"] for s in tail)
@@ -141,18 +172,26 @@ def _row(rec: dict, status: str, tail_from: int | None = None) -> dict:
     plan = rec.get("plan")
     if plan:
         row.update(planned=f"{plan['prefetched']}/{plan['gathers']}", slots=plan["slots"], persistent=plan["persistent"],
-                   budget_gib=plan["budget"] / 2**30)
+                   budget_gib=plan["budget"] / 2**30, calibrated=plan.get("calibrated"),
+                   gate_tighten_gib=plan.get("gate_tighten", 0) / 2**30)
     return row
 
 
 def main():
+    import itertools
+    from concurrent.futures import ThreadPoolExecutor
+
     from hf_zero3.testing import DistributedFailure, run_ranks
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--cap", type=float, nargs="*", default=[0.0, 16.0], help="GiB per process, 0 = uncapped")
     ap.add_argument("--settings", default=",".join(SETTINGS))
+    ap.add_argument("--optim", default="torch", help="torch (torch_adam) and/or fused (DeepSpeed's default AdamW)")
+    ap.add_argument("--build", default="zero_init", help="zero_init and/or plain (LlamaForCausalLM(config))")
+    ap.add_argument("--ckpt", default="nonreentrant", help="nonreentrant and/or default (transformers' defaults)")
+    ap.add_argument("--jobs", type=int, default=1, help="cells run at once on the same GPUs")
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--timeout", type=float, default=420, help="seconds per (setting, cap) run")
+    ap.add_argument("--timeout", type=float, default=420, help="seconds per cell")
     args = ap.parse_args()
     world, backend = world_and_backend()
     if backend != "nccl":
@@ -163,52 +202,66 @@ def main():
     name = "memory" + os.environ.get("BENCH_TAG", "")  # concurrent sweeps write apart
     raw_path = os.path.join(HERE, f"{name}.json")
     previous = json.load(open(raw_path)).get("rows", []) if os.path.exists(raw_path) else []
-    rows = []
-    for cap in args.cap:
-        for setting in args.settings.split(","):
-            t0 = time.time()
-            status = "trained"
-            try:
-                run_ranks(rank_main, world, args=(setting, cap, args.steps, progress), backend=backend,
-                          init="deepspeed", timeout=args.timeout, pg_timeout=60)
-            except DistributedFailure as exc:
-                status = "failed"
-                print(str(exc)[-3000:], flush=True)
-            rec_path = os.path.join(progress, f"{setting}_{cap}_rank0.json")
-            rec = json.load(open(rec_path)) if os.path.exists(rec_path) else {"setting": setting, "cap_gib": cap}
-            if rec.get("error"):
-                status = rec["error"]
-            for row in summarize(rec, status):
-                row["wall_s"] = time.time() - t0
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-    # Ratios against this run's baselines; an earlier run's only where this run has none, and then
-    # the row says so (lent hosts differ by +-20 % in step time).
+    cells = list(itertools.product(args.cap, args.optim.split(","), args.build.split(","), args.ckpt.split(","),
+                                   args.settings.split(",")))
+
+    def run_cell(cell):
+        cap, optim, build, ckpt, setting = cell
+        t0 = time.time()
+        status = "trained"
+        try:
+            run_ranks(rank_main, world, args=(setting, cap, args.steps, progress, optim, build, ckpt), backend=backend,
+                      init="deepspeed", timeout=args.timeout, pg_timeout=60)
+        except DistributedFailure as exc:
+            status = "failed"
+            print(str(exc)[-3000:], flush=True)
+        rec_path = os.path.join(progress, f"{_cell(setting, cap, optim, build, ckpt)}_rank0.json")
+        rec = json.load(open(rec_path)) if os.path.exists(rec_path) else {
+            "setting": setting, "cap_gib": cap, "optim": optim, "build": build, "ckpt": ckpt}
+        if rec.get("error"):
+            status = rec["error"]
+        out = []
+        for row in summarize(rec, status):
+            row["wall_s"], row["concurrent_jobs"] = time.time() - t0, args.jobs
+            out.append(row)
+            print(json.dumps(row), flush=True)
+        return out
+
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        rows = [r for rs in pool.map(run_cell, cells) for r in rs]
+
+    def key(r):
+        return (r["cap_gib"], r.get("optim", "torch"), r.get("build", "zero_init"), r.get("ckpt", "nonreentrant"))
+
+    # Ratios against this run's baselines of the same cell; an earlier run's only where this run has
+    # none, and then the row says so (lent hosts differ by +-20 % in step time).
     def baseline(label):
         found = {}
         for r in previous + rows:  # later wins: this run over earlier ones
             if r["setting"] == label and r.get("median_step_s"):
-                found[r["cap_gib"]] = r
+                found[key(r)] = r
         return found
 
     plain, default = baseline(LABEL["plain"]), baseline(LABEL["dc_default"])
     for r in rows:
         if "median_step_s" in r:
-            if r["cap_gib"] in plain:
-                r["speed_vs_plain"] = plain[r["cap_gib"]]["median_step_s"] / r["median_step_s"]
-                r["peak_vs_plain"] = r["peak_alloc_gib"] / plain[r["cap_gib"]]["peak_alloc_gib"]
-            if r["cap_gib"] in default:
-                r["speed_vs_default"] = default[r["cap_gib"]]["median_step_s"] / r["median_step_s"]
-            earlier = [name for name, base in (("plain", plain), ("default", default))
-                       if r["cap_gib"] in base and all(base[r["cap_gib"]] is not x for x in rows)]
+            if key(r) in plain:
+                r["speed_vs_plain"] = plain[key(r)]["median_step_s"] / r["median_step_s"]
+                r["peak_vs_plain"] = r["peak_alloc_gib"] / plain[key(r)]["peak_alloc_gib"]
+            if key(r) in default:
+                r["speed_vs_default"] = default[key(r)]["median_step_s"] / r["median_step_s"]
+                r["peak_vs_default"] = r["peak_alloc_gib"] / default[key(r)]["peak_alloc_gib"]
+            earlier = [nm for nm, base in (("plain", plain), ("default", default))
+                       if key(r) in base and all(base[key(r)] is not x for x in rows)]
             if earlier:
                 r["ratios_from_earlier_run"] = earlier
-    keep = [p for p in previous if (p["setting"], p["cap_gib"]) not in {(r["setting"], r["cap_gib"]) for r in rows}]
+    done = {(r["setting"],) + key(r) for r in rows}
+    keep = [p for p in previous if (p["setting"],) + key(p) not in done]
     path = save(name, {"setup": {"world": world, "seq": SEQ, "layers": model_config().num_hidden_layers,
-                                     "steps": args.steps}, "rows": keep + rows}, HERE)
-    print(table(rows, ["setting", "cap_gib", "status", "peak_alloc_gib", "peak_reserved_gib", "median_step_s",
-                       "compile_s", "alloc_retries", "prefetch_deferred", "planned", "slots", "persistent", "speed_vs_plain",
-                       "speed_vs_default", "peak_vs_plain"]))
+                                 "steps": args.steps, "jobs": args.jobs}, "rows": keep + rows}, HERE)
+    print(table(rows, ["setting", "cap_gib", "optim", "build", "ckpt", "status", "peak_alloc_gib", "peak_reserved_gib",
+                       "median_step_s", "compile_s", "alloc_retries", "prefetch_deferred", "planned", "persistent",
+                       "gate_tighten_gib", "speed_vs_plain", "speed_vs_default", "peak_vs_plain", "peak_vs_default"]))
     print(f"raw numbers: {path}")
 
 

@@ -136,6 +136,10 @@ class MemoryPlanConfig:
     plan_step: int = field(default=0, metadata={
         "help": "global step whose compile applies the plan; 0 = a single compile, profiled before the "
                 "optimizer's states exist (their size is reserved); DeepSpeed's default uses 5", "parse": _step})
+    calibrate_steps: int = field(default=2, metadata={
+        "help": "training steps after a compile measured before the plan goes past match_zero3's level: their "
+                "real peak (agreed) sets how far the gate may prefetch and what may stay persistent; 0 = trust "
+                "the profile (persistence chosen at compile time)", "parse": _step})
     max_fuse_bytes: int = field(default=1 << 30, metadata={"help": "largest fused prefetch, bytes", "parse": _fuse})
     coalesce: bool = field(default=True, metadata={
         "help": "merge consecutive prefetches into one earlier fused all-gather while the budget holds "

@@ -3,12 +3,13 @@
 The planned graph carries, before its first prefetch, ``hf_zero3::agree_launch`` and then one
 ``hf_zero3::gated_prefetch`` per planned slot::
 
-    launch = agree_launch(anchor, graph_id, ref_alloc, budget)       # once per graph launch
+    launch = agree_launch(anchor, graph_id, ref_alloc, budget, bwd)  # once per graph launch
     gated_prefetch(graph_id, params, ds_ids, nbytes, window_peak, launch)
 
 ``agree_launch`` measures this rank's drift (allocated + non-PyTorch memory now, minus what the
 profile had at that point) and takes the group's maximum with one all-reduce,
-so ``launch = [drift, budget]`` is identical on every rank. The all-reduce runs on the host (a
+so ``launch = [drift, budget]`` is identical on every rank (``budget``: the planned one as the
+memory plan's calibration adjusts it, :func:`launch_budget`, from agreed values only). The all-reduce runs on the host (a
 gloo mirror of the gather group, :func:`host_group`), so it never waits for queued GPU work. ``gated_prefetch`` then issues
 DeepCompile's fused all-gather only when ``window_peak + drift <= budget``: a pure function of
 agreed values, so every rank issues or defers the same prefetches and the NCCL all-gathers keep
@@ -29,12 +30,17 @@ from hf_zero3 import _ext
 from hf_zero3.device_memory import MemoryState, read_cuda_memory
 
 __all__ = ["decide", "agree_drift", "register_ops", "counters", "reset_counters", "memory_state",
-           "MemoryState", "set_launch_group", "host_group", "set_issue_fn", "local_drift", "native"]
+           "MemoryState", "set_launch_group", "host_group", "set_issue_fn", "local_drift", "native",
+           "launch_budget", "set_adjust", "drifts", "reset_drifts"]
 
 _LOCK = threading.Lock()
 _LIB = None
 _GROUPS: dict[int, object] = {}   # graph_id -> gather process group
 _STATE_FNS: dict[int, Callable[[], "MemoryState"]] = {}  # graph_id -> memory reader (CPU tests)
+# graph_id -> (calibration cap or None, tighten): set from agreed calibration results only
+# (hf_zero3.compile.calibration), so every rank's launch carries the same budget.
+_ADJUST: dict[tuple[int, bool], tuple[int | None, int]] = {}   # keyed (graph_id, bwd)
+_DRIFTS: dict[tuple[int, bool], int] = {}   # (graph_id, bwd) -> largest agreed drift since reset_drifts()
 
 
 def _dc_prefetch(graph_id: int, params: list, ids: list) -> None:
@@ -108,7 +114,7 @@ def local_drift(graph_id: int, ref_alloc: int, state: MemoryState) -> int:
     return state.allocated + state.non_pytorch - int(ref_alloc)
 
 
-def _agree_launch_impl(anchor: torch.Tensor, graph_id: int, ref_alloc: int, budget: int) -> torch.Tensor:
+def _agree_launch_impl(anchor: torch.Tensor, graph_id: int, ref_alloc: int, budget: int, bwd: int = 0) -> torch.Tensor:
     if anchor.is_cuda:
         state = memory_state(anchor.device)
     elif graph_id in _STATE_FNS:
@@ -116,12 +122,39 @@ def _agree_launch_impl(anchor: torch.Tensor, graph_id: int, ref_alloc: int, budg
     else:
         state = MemoryState(int(ref_alloc), 0, 0, 0)
     drift = agree_drift(local_drift(graph_id, ref_alloc, state), _GROUPS.get(graph_id))
+    key = (int(graph_id), bool(bwd))
+    _DRIFTS[key] = max(_DRIFTS.get(key, drift), drift)
     mod = native()
     if mod is not None:
         mod.note_launch()
     else:
         _COUNTERS["launches"] += 1
-    return torch.tensor([drift, int(budget)], dtype=torch.int64)
+    return torch.tensor([drift, launch_budget(key, int(budget), drift)], dtype=torch.int64)
+
+
+def launch_budget(key: tuple[int, bool], budget: int, drift: int) -> int:
+    """The budget this launch's prefetches are gated against: the planned one, lowered by the
+    calibration's ``tighten``, and while calibrating no higher than the graph's own profiled peak
+    (``cap``) plus the drift, so prefetches never raise the step's peak (match_zero3's level)."""
+    cap, tighten = _ADJUST.get(key, (None, 0))
+    b = int(budget) - int(tighten)
+    if cap is not None:
+        b = min(b, int(cap) + int(drift))
+    return b
+
+
+def set_adjust(key: tuple[int, bool], cap: int | None, tighten: int) -> None:
+    """Set graph ``key`` = (graph_id, bwd)'s calibration cap and tightening (agreed values only)."""
+    _ADJUST[(int(key[0]), bool(key[1]))] = (None if cap is None else int(cap), int(tighten))
+
+
+def drifts() -> dict:
+    """The largest agreed drift of each graph's launches since :func:`reset_drifts`."""
+    return dict(_DRIFTS)
+
+
+def reset_drifts() -> None:
+    _DRIFTS.clear()
 
 
 def _gated_prefetch_impl(graph_id: int, params: list[torch.Tensor], ids: list[int], nbytes: int,
@@ -146,7 +179,7 @@ def register_ops() -> None:
             return
         native()  # the native library must define its op first, if at all
         lib = torch.library.Library("hf_zero3", "FRAGMENT")
-        lib.define("agree_launch(Tensor anchor, int graph_id, int ref_alloc, int budget) -> Tensor")
+        lib.define("agree_launch(Tensor anchor, int graph_id, int ref_alloc, int budget, int bwd=0) -> Tensor")
         lib.impl("agree_launch", _agree_launch_impl, "CompositeExplicitAutograd")
         torch.library.register_fake("hf_zero3::agree_launch", _agree_launch_fake, lib=lib)
         if not hasattr(torch.ops.hf_zero3, "gated_prefetch"):
@@ -163,7 +196,7 @@ def register_ops() -> None:
         _LIB = lib
 
 
-def _agree_launch_fake(anchor, graph_id, ref_alloc, budget):
+def _agree_launch_fake(anchor, graph_id, ref_alloc, budget, bwd=0):
     return torch.empty(2, dtype=torch.int64, device="cpu")
 
 

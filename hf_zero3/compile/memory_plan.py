@@ -8,8 +8,11 @@ all-gathers and releases and DeepCompile has profiled the result:
 2. :func:`plan_prefetch` places fused prefetches under the budget; the plan's fingerprint is
    checked equal on all ranks (a mismatch raises rather than reordering NCCL all-gathers);
 3. the graph gets one ``hf_zero3::agree_launch`` and one ``hf_zero3::gated_prefetch`` per slot;
-4. on the last backward graph, parameters are made persistent by benefit per byte within what
-   the budget has left over every planned graph's peak.
+4. the plan is then calibrated on real steps (:mod:`hf_zero3.compile.calibration`): prefetches stay
+   at ``match_zero3``'s level for ``calibrate_steps`` steps, whose agreed real peak sets how far the
+   gate may go and which parameters become persistent (by benefit per byte within what is left);
+   every later step's agreed peak keeps the gate below the budget. With ``calibrate_steps=0`` the
+   profile is trusted: persistence is chosen on the last backward graph at compile time.
 
 Entry points: :func:`apply_memory_plan` (register the pass on an engine, return the schedule)
 and :func:`compile_with_memory_plan` (that, then ``engine.compile``).
@@ -24,6 +27,7 @@ from typing import Callable
 import torch
 
 from hf_zero3.compile.budget import MemoryBudget, agree_budget, compute_budget
+from hf_zero3.compile.calibration import Calibration, Decision, decide
 from hf_zero3.compile.config import ConfigError, MemoryPlanConfig
 from hf_zero3.compile.planner import (GATHER, GraphProfile, PlanError, PrefetchPlan, check_floor, plan_persistence,
                                       plan_prefetch)
@@ -69,10 +73,16 @@ class MemoryPlanPass:
     ops: dict | None = None  # FX target -> node kind (default: DeepCompile's dc ops)
     read_memory: Callable | None = None  # () -> MemoryState (default: this CUDA device)
     persist_fn: Callable | None = None  # ds_id -> None (default: DeepCompile's set_persistent)
+    read_peaks: Callable | None = None  # () -> (fwd/bwd, step, reserved peak), profile units (default: CUDA's)
     records: dict = field(default_factory=dict)
     persistent: tuple = ()
     persistent_bytes: int = 0
     error: Exception | None = None
+    calibration: Calibration | None = None
+
+    def __post_init__(self):
+        if self.calibration is None:
+            self.calibration = Calibration(self.config.calibrate_steps)
 
     def memory(self):
         from hf_zero3.compile.gate import memory_state
@@ -105,6 +115,7 @@ class MemoryPlanPass:
         from hf_zero3.agree import Tag, agree
         from hf_zero3.errors import Zero3Error
 
+        self.calibration.planned_since_step = True  # this step's peak includes compiling and profiling
         with real_tensors():  # the agreements below are real collectives
             try:
                 prepared, error = self._prepare(graph_id, graph_order, profiling_results, bwd), None
@@ -147,12 +158,15 @@ class MemoryPlanPass:
                             f"inputs; refusing to run (the all-gathers would be reordered). Please report this.")
         self.records[(graph_id, bwd)] = PlanRecord(profile, plan, budget)
         chosen = None
-        if bwd and self.config.persist and self.config.mode == "budget" and _is_last_backward(graph_id, graph_order):
+        if (bwd and self.config.persist and self.config.mode == "budget" and self.config.calibrate_steps == 0
+                and _is_last_backward(graph_id, graph_order)):
             chosen = self._choose_persistent(profiling_results, group, budget)
         return profile, plan, budget, group, chosen
 
     def _apply(self, gm, graph_id, bwd, profile, plan, budget, group, chosen):
-        _rewrite(gm, profile, plan, graph_id, budget.gate_budget, gate=self.config.gate, group=group)
+        _rewrite(gm, profile, plan, graph_id, budget.gate_budget, gate=self.config.gate, group=group, bwd=bwd)
+        if self.config.gate:
+            self._set_gates()
         _dump(profile, plan, budget)
         log.info("hf_zero3 memory plan graph %s %s: %s; %d of %d gathers prefetched in %d slots, projected peak "
                  "%.2f GiB", graph_id, "bwd" if bwd else "fwd", budget.describe(), plan.prefetched,
@@ -192,12 +206,146 @@ class MemoryPlanPass:
         from hf_zero3._upstream.deepspeed import deepcompile_handle
 
         persist = self.persist_fn or deepcompile_handle().set_persistent
+        if self.persist_fn is None and torch.cuda.is_available():
+            # Persistent buffers carved out of a cached block that a per-step temporary (the
+            # optimizer's fp32 sub-group gradient) reuses every step would leave it no block to fit
+            # in under a cap: hand free segments back first, so they go to fresh segments instead.
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
         for ds_id in chosen:
             persist(ds_id)
         self.persistent = chosen
         self.persistent_bytes = sum(size_of[d] for d in chosen)
         log.info("hf_zero3 memory plan: %d parameters persistent (%.2f GiB)", len(chosen),
                  self.persistent_bytes / 2**30)
+
+    # --- calibration (see hf_zero3.compile.calibration) -----------------------------------------
+
+    def before_forward(self) -> None:
+        """A training forward begins: restart the peak this step will be measured by."""
+        if self.records and self.read_peaks is None and torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+
+    def peak_now(self) -> int:
+        """This rank's peak since :meth:`before_forward`, in profile units (allocated + non-PyTorch)."""
+        now = self.memory()
+        return torch.cuda.max_memory_allocated() + now.non_pytorch
+
+    def reserved_peak_now(self) -> int:
+        now = self.memory()
+        return torch.cuda.max_memory_reserved() + now.non_pytorch
+
+    def after_step(self, peak_fwd_bwd: int | None = None, peak_step: int | None = None,
+                   peak_reserved: int | None = None) -> Decision | None:
+        """``engine.step`` returned: agree this step's peaks over the gather group and calibrate or
+        watch. ``peak_*`` default to :attr:`read_peaks` / CUDA's. Returns the calibration's decision
+        on the step that made it."""
+        from hf_zero3.agree import Tag, all_max
+
+        cal = self.calibration
+        if not self.records:  # agreed: a graph is recorded only when every rank planned it
+            return None
+        if cal.planned_since_step:  # a compile (and DeepCompile's eager profiling) ran in this step
+            cal.planned_since_step = False
+            if self.read_peaks is None and torch.cuda.is_available():
+                # The profiler's eager runs leave the cache fragmented (GiBs of reserved-but-free
+                # blocks in partly used segments under a cap): hand unused segments back once.
+                torch.cuda.empty_cache()
+            if cal.calibrating:
+                from hf_zero3.compile.gate import reset_drifts
+
+                cal.measured, cal.peak_fwd_bwd, cal.peak_step, cal.peak_reserved = 0, 0, 0, 0
+                reset_drifts()
+            return None
+        if peak_step is None:
+            if self.read_peaks is not None:
+                peak_fwd_bwd, peak_step, peak_reserved = self.read_peaks()
+            else:
+                peak_step, peak_reserved = self.peak_now(), self.reserved_peak_now()
+                peak_fwd_bwd = peak_step if peak_fwd_bwd is None else peak_fwd_bwd
+        group = self.group(None)
+        fb, st, res = all_max([int(peak_fwd_bwd), int(peak_step), int(peak_reserved or 0)], group,
+                              Tag("memory_plan.step"))
+        gate_budget = min(r.budget.gate_budget for r in self.records.values())
+        decision = None
+        if cal.calibrating:
+            cal.measured += 1
+            cal.peak_fwd_bwd, cal.peak_step = max(cal.peak_fwd_bwd, fb), max(cal.peak_step, st)
+            cal.peak_reserved = max(cal.peak_reserved, res)
+            if cal.measured >= cal.steps:
+                decision = self._decide(group, gate_budget)
+        elif fb > gate_budget - cal.tighten and self.config.gate and self._issued_since_last_step():
+            # Real forward/backward memory went past what the gate allows while prefetches were in
+            # flight: shed them by the overshoot (issue counts are agreed, so every rank gets here).
+            over = fb - (gate_budget - cal.tighten)
+            cal.tighten += over
+            self._set_gates()
+            if not cal.warned:
+                cal.warned = True
+                log.warning("hf_zero3 memory plan: a step peaked at %.2f GiB, %.2f GiB above the gate budget; "
+                            "prefetches are now gated %.2f GiB lower", fb / 2**30, over / 2**30, cal.tighten / 2**30)
+        if st > max(r.budget.limit for r in self.records.values()) and not cal.warned:
+            cal.warned = True
+            log.warning("hf_zero3 memory plan: a step peaked at %.2f GiB, above the limit of %.2f GiB, outside what the "
+                        "gate controls (optimizer step, loss, reduce buckets)", st / 2**30,
+                        max(r.budget.limit for r in self.records.values()) / 2**30)
+        cal.history.append((fb, st, res, cal.tighten))
+        return decision
+
+    def _issued_since_last_step(self) -> bool:
+        from hf_zero3.compile.gate import counters
+
+        issued = counters()["issued"]
+        fresh, self.calibration.last_issued = issued > self.calibration.last_issued, issued
+        return fresh
+
+    def _decide(self, group, gate_budget: int) -> Decision:
+        """The calibration's decision (agreed inputs; its fingerprint checked equal), then acted on:
+        gates lowered by the measured excess, parameters made persistent within what is left."""
+        from hf_zero3.agree import Tag, all_equal
+        from hf_zero3.compile.gate import drifts
+
+        cal = self.calibration
+        seen = drifts()
+        projected = max((r.profile.peak + seen[(gid, bwd)] for (gid, bwd), r in self.records.items()
+                         if (gid, bwd) in seen), default=0)
+        time_of, size_of = {}, {}
+        for rec in self.records.values():
+            for nd in rec.profile.nodes:
+                if nd.kind == GATHER:
+                    time_of[nd.ds_id] = time_of.get(nd.ds_id, 0.0) + nd.time
+                    size_of[nd.ds_id] = nd.nbytes
+        persist = self.config.persist and self.config.mode == "budget"
+        d = decide(cal.peak_fwd_bwd, cal.peak_step, projected, gate_budget,
+                   [(i, size_of[i], time_of[i]) for i in sorted(size_of)], persist, peak_reserved=cal.peak_reserved,
+                   reserved_limit=min(r.budget.limit - r.budget.safety for r in self.records.values()),
+                   planned_fragmentation=max(r.budget.fragmentation for r in self.records.values()))
+        if not all_equal([d.fingerprint(), len(d.persistent)], group, Tag("memory_plan.calibrated")):
+            raise PlanError("hf_zero3 memory plan: ranks calibrated differently from agreed measurements; refusing "
+                            "to run (the all-gathers would be reordered). Please report this.")
+        cal.decision, cal.tighten = d, d.tighten
+        self._set_gates()
+        log.info("hf_zero3 memory plan calibrated over %d steps: real peak %.2f GiB (forward/backward %.2f GiB, "
+                 "projected %.2f GiB: excess %.2f GiB; reserved %.2f GiB), gate budget %.2f GiB; gate lowered by "
+                 "%.2f GiB, %d parameters persistent in %.2f GiB of room", cal.measured, cal.peak_step / 2**30,
+                 cal.peak_fwd_bwd / 2**30, projected / 2**30, d.excess / 2**30, cal.peak_reserved / 2**30,
+                 gate_budget / 2**30, d.tighten / 2**30, len(d.persistent), max(d.room, 0) / 2**30)
+        if d.persistent:
+            self._persist(d.persistent, size_of)
+        return d
+
+    def _set_gates(self) -> None:
+        """Every planned graph's gate: lowered by ``tighten``, and no higher than its profiled peak plus
+        the calibration's measured headroom (while calibrating: plus nothing)."""
+        from hf_zero3.compile.gate import set_adjust
+
+        cal = self.calibration
+        for key, rec in self.records.items():
+            if cal.decision is None:
+                cap = rec.profile.peak if cal.calibrating and self.config.mode == "budget" else None
+            else:
+                cap = rec.profile.peak + cal.decision.headroom
+            set_adjust(key, cap, cal.tighten)
 
     def summary(self) -> dict:
         return {
@@ -209,6 +357,8 @@ class MemoryPlanPass:
             "budget": min((r.budget.budget for r in self.records.values()), default=0),
             "persistent": len(self.persistent),
             "persistent_bytes": self.persistent_bytes,
+            "calibrated": self.calibration.decision is not None,
+            "gate_tighten": self.calibration.tighten,
         }
 
 
@@ -237,7 +387,7 @@ def _is_last_backward(graph_id, graph_order) -> bool:
 
 
 def _rewrite(gm, profile: GraphProfile, plan: PrefetchPlan, graph_id: int, gate_budget: int, *, gate: bool,
-             group=None) -> None:
+             group=None, bwd: bool = False) -> None:
     """Insert the launch agreement and the gated prefetches before their planned nodes."""
     if not plan.slots:
         return
@@ -254,7 +404,8 @@ def _rewrite(gm, profile: GraphProfile, plan: PrefetchPlan, graph_id: int, gate_
         anchor = nodes[first.gather_nodes[0]].args[0]
         with gm.graph.inserting_before(nodes[first.index]):
             launch = gm.graph.call_function(torch.ops.hf_zero3.agree_launch.default,
-                                            (anchor, graph_id, profile.nodes[first.index - 1].alloc, gate_budget))
+                                            (anchor, graph_id, profile.nodes[first.index - 1].alloc, gate_budget,
+                                             int(bool(bwd))))
         _profile_meta(launch)
     for slot in plan.slots:
         params = [nodes[u].args[0] for u in slot.gather_nodes]
@@ -383,19 +534,37 @@ def apply_memory_plan(engine, config: MemoryPlanConfig | None = None) -> tuple[M
 
 
 def _raise_plan_errors_from_forward(engine, rt) -> None:
+    """Wrap ``engine.forward`` (raise a plan error; a training forward restarts the peak the step is
+    measured by) and ``engine.step`` (the step's peaks go to the calibration, agreed)."""
     if getattr(engine.forward, "_hf_zero3_checks_plan", False):
         return
     forward = engine.forward
 
     def checked_forward(*args, **kwargs):
-        out = forward(*args, **kwargs)
         planner = rt.memory_plan
+        if planner is not None and torch.is_grad_enabled():
+            planner.before_forward()
+        out = forward(*args, **kwargs)
         if planner is not None and planner.error is not None:
             raise planner.error
         return out
 
     checked_forward._hf_zero3_checks_plan = True
     engine.forward = checked_forward
+    step = getattr(engine, "step", None)
+    if step is None:
+        return
+
+    def measured_step(*args, **kwargs):
+        planner = rt.memory_plan
+        before = planner.peak_now() if planner is not None and planner.records and planner.read_peaks is None else None
+        out = step(*args, **kwargs)
+        if planner is not None:
+            planner.after_step(before, None)
+        return out
+
+    measured_step._hf_zero3_measures_plan = True
+    engine.step = measured_step
 
 
 def compile_with_memory_plan(engine, config: MemoryPlanConfig | None = None, backend: str | None = None,

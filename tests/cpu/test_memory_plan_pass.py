@@ -40,8 +40,9 @@ def _pass_rank(limit_slack: int):
     frag = 1000 + 4000 * rank
     state = MemoryState(allocated=peak // 2, reserved=peak // 2 + frag, free=total - peak // 2 - frag, total=total)
     persisted = []
-    plan_pass = MemoryPlanPass(MemoryPlanConfig(safety_margin=0.0), ops=STAND_IN_OPS, read_memory=lambda: state,
-                               persist_fn=persisted.append)
+    # calibrate_steps=0: the profile is trusted, persistence chosen at compile (calibration has its own tests)
+    plan_pass = MemoryPlanPass(MemoryPlanConfig(safety_margin=0.0, calibrate_steps=0), ops=STAND_IN_OPS,
+                               read_memory=lambda: state, persist_fn=persisted.append)
     out_gm = plan_pass(rec.gm, gid, [(gid, True)], {gid: rec}, None, 0.0, None, True)
     result = dict(rank=rank, error=repr(plan_pass.error) if plan_pass.error else None, persisted=persisted,
                   summary=plan_pass.summary(), rewritten=out_gm is not None)

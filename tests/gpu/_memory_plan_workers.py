@@ -84,3 +84,65 @@ def accelerate_plugin(steps: int = 3):
     planner = hf_zero3.runtime_of(engine).memory_plan
     return dict(compiled=bool(engine.is_compiled), losses=losses,
                 plan=planner.summary() if planner else None)
+
+
+# --- issue #13's user configuration -------------------------------------------------------------
+
+#: Per-process cap by world size: 2 ranks is the issue's 16 GiB (plain ZeRO-3 peaks at 13.24 GiB
+#: allocated / 15.45 reserved there). One rank holds the whole partition: plain ZeRO-3 peaks at
+#: 25.0 / 28.5 GiB uncapped and OOMs at 28 GiB in its optimizer step (benchmarks/RESULTS.md, #13).
+USER_CAP_GIB = {1: 30.0, 2: 16.0}
+
+
+def llama_1b_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048,
+                       tie_word_embeddings=True, attn_implementation="sdpa", pad_token_id=0, bos_token_id=1,
+                       eos_token_id=2)
+
+
+def train_user_config(setting: str, steps: int = 12, cap_gib: float | None = None):
+    """What a user writes: ``LlamaForCausalLM(config)`` handed to ``deepspeed.initialize`` (no
+    zero.Init), ``gradient_checkpointing_enable()`` with transformers' defaults, DeepSpeed's default
+    AdamW (fused), ZeRO-3 defaults, bf16, batch 1 x 512, the process capped with
+    ``set_per_process_memory_fraction``; then plain ZeRO-3, DeepCompile's zero3 pass only, or
+    ``compile_with_memory_plan`` with the default config. Peak stats are never reset here."""
+    import deepspeed
+    import torch.distributed as dist
+    from transformers import LlamaForCausalLM
+
+    import hf_zero3
+    from hf_zero3.testing import mark
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    cap = USER_CAP_GIB[world] if cap_gib is None else cap_gib
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    torch.cuda.set_per_process_memory_fraction(cap * 2**30 / total)
+    ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": world,
+          "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}},
+          "zero_optimization": {"stage": 3}, "steps_per_print": 10**9}
+    if setting != "plain":
+        ds["compile"] = {"deepcompile": True}
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(llama_1b_config())
+    model.gradient_checkpointing_enable()
+    engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
+    planner = None
+    if setting == "zero3_only":
+        engine.compile(schedule=[(0, ["zero3_compile"])])
+    elif setting == "default":
+        planner = hf_zero3.compile_with_memory_plan(engine)
+    losses = []
+    for s in range(steps):
+        mark(f"{setting} step {s}")
+        g = torch.Generator().manual_seed(100 * s + rank)
+        ids = torch.randint(3, 128256, (1, 512), generator=g).to(engine.device)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.item()))
+    return dict(losses=losses, cap_gib=cap, peak_alloc=torch.cuda.max_memory_allocated(),
+                plan=planner.summary() if planner else None,
+                calibration=[list(h) for h in planner.calibration.history] if planner else None)
