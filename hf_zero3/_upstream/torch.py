@@ -60,3 +60,10 @@ def real_tensors():
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     return unset_fake_temporarily()
+
+
+def dynamo_graph_count() -> int:
+    """Graphs Dynamo has compiled in this process (its ``unique_graphs`` counter)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])

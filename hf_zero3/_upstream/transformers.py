@@ -21,6 +21,19 @@ GENERATION_HOOKS = ("_prepare_generated_length", "_get_stopping_criteria", "_has
 ENCODER_HOOKS = ("_maybe_prepare_encoder_kwargs_for_generation", "_prepare_encoder_decoder_kwargs_for_generation")
 
 
+#: Where transformers decides to decode with its compiled forward (lockstep's compiled decode
+#: overrides it: compile only inside a whole-model region, see hf_zero3.generation.compiled_decode).
+COMPILE_HOOK = "_valid_auto_compile_criteria"
+
+
+def generation_config_field(name: str) -> bool:
+    """Whether this transformers' ``GenerationConfig`` has the field ``name`` (``max_cache_len``:
+    5.2x, not 5.17)."""
+    from transformers import GenerationConfig
+
+    return hasattr(GenerationConfig(), name)
+
+
 def generation_hooks_present() -> None:
     """Refuse to run, naming the fix, if a release removed a method lockstep generation needs."""
     from transformers.generation.utils import GenerationMixin

@@ -35,12 +35,14 @@ from .._upstream.versions import require
 from ..errors import RankDivergenceError, RankFailure
 from ..gathering import GATHER_MODES, EvalGatherMixin, gathered_forwards
 from ..runtime import runtime_of
+from . import compiled_decode
+from .compiled_decode import DECODE_MODES
 
 __all__ = ["LockstepConfig", "LockstepStats", "Zero3GenerationMixin", "lockstep",
            "lockstep_generate", "STOP_MODES"]
 
 STOP_MODES = ("sync", "fixed")
-_LOCKSTEP_KWARGS = ("stop", "sync_every", "gather", "group")
+_LOCKSTEP_KWARGS = ("stop", "sync_every", "gather", "group", "decode", "bucket")
 
 
 @dataclass
@@ -54,12 +56,19 @@ class LockstepConfig:
         gather: ``"auto"`` (whole model once per call if every rank has the memory, else layer by
             layer), ``"all"`` or ``"layerwise"``.
         group: process group to agree over; default: the parameters' own gather group.
+        decode: ``"auto"`` (a static KV cache and transformers' compiled decode step when the
+            whole model is gathered, on CUDA), ``"compiled"`` (the same, on any device) or
+            ``"eager"``; see :mod:`hf_zero3.generation.compiled_decode`.
+        bucket: compiled decoding sizes its static cache to prompt + new tokens rounded up to
+            this many tokens, so calls of other lengths in the bucket reuse the compiled step.
     """
 
     stop: str = "sync"
     sync_every: int = 1
     gather: str = "auto"
     group: Any = None
+    decode: str = "eager"  # "auto" becomes the default once its GPU tests and benchmark have run
+    bucket: int = 64
 
     def validate(self) -> "LockstepConfig":
         if self.stop not in STOP_MODES:
@@ -68,6 +77,10 @@ class LockstepConfig:
             raise ValueError(f"sync_every must be a positive int, not {self.sync_every!r}")
         if self.gather not in GATHER_MODES:
             raise ValueError(f"gather must be one of {GATHER_MODES}, not {self.gather!r}")
+        if self.decode not in DECODE_MODES:
+            raise ValueError(f"decode must be one of {DECODE_MODES}, not {self.decode!r}")
+        if isinstance(self.bucket, bool) or not isinstance(self.bucket, int) or self.bucket < 1:
+            raise ValueError(f"bucket must be a positive int (tokens), not {self.bucket!r}")
         return self
 
     def options(self) -> dict:
@@ -86,6 +99,9 @@ class LockstepStats:
     extra_forwards: int = 0    # forwards run after this rank's own sequences were done
     stop: str = "sync"
     joined: bool = False       # this rank had no rows of its own (TRL call alignment)
+    decode: str = "eager"      # "compiled": static KV cache + compiled decode step; "eager"
+    decode_reason: str | None = None  # why the call decoded eagerly (None when compiled)
+    compiles: int = 0          # Dynamo graphs compiled during the call (0: the compiled step was reused)
 
 
 class _Call:
@@ -99,6 +115,7 @@ class _Call:
         self.done_at: int | None = None
         self.phase = "validating"   # -> "encoding" (encoder-decoder) -> "decoding" -> "done"
         self.region = None
+        self.compile = False        # compiled decode wanted (the region must still allow it)
 
     def _agree(self, op: str, values=(), *, error=None, count=False, record=None) -> list[int]:
         self.stats.agreements += 1
@@ -218,12 +235,17 @@ class Zero3GenerationMixin:
             _check_group_matches(self, group)
             hf_up.generation_hooks_present()
             _refuse_rank_divergent_options(cfg, args, kwargs)
+            want, why = compiled_decode.resolve(self, cfg.decode, kwargs)
+            if want:
+                compiled_decode.prepare(self, args, kwargs, cfg.bucket)
         except Exception as exc:  # shared at the call's first agreement: every rank raises it
-            error, cfg = exc, LockstepConfig()
+            error, cfg, want, why = exc, LockstepConfig(), False, None
             group = overrides.get("group")  # None: the model's own group (a model with none raises alike)
         rt.enter()
         try:
             call = rt.loop = _Call(self, rt, cfg, group)
+            call.compile, call.stats.decode_reason = want, why
+            graphs = compiled_decode.graph_count()
             try:
                 if error is not None:
                     call.begin(error)
@@ -236,6 +258,7 @@ class Zero3GenerationMixin:
             finally:
                 rt.loop = None
                 call.close()
+            call.stats.compiles = compiled_decode.graph_count() - graphs
             rt.last_generate = call.stats
             self.__dict__["hf_zero3_last_generate"] = call.stats  # the report outlives lockstep_generate's class swap
             return out
@@ -269,6 +292,21 @@ class Zero3GenerationMixin:
         if call is not None:
             call.validated()
         return criteria
+
+    def _valid_auto_compile_criteria(self, model_kwargs, generation_config):
+        call = _call_of(self)
+        if call is None:
+            return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
+        if not call.compile:
+            return False if call.cfg.decode == "eager" else super()._valid_auto_compile_criteria(
+                model_kwargs, generation_config)
+        ok, why = compiled_decode.region_allows(call.stats.gather)
+        if not ok:
+            call.stats.decode_reason = why
+            compiled_decode._say(why, loud=call.cfg.decode == "compiled")
+            return False
+        call.stats.decode = "compiled"
+        return True
 
     def _has_unfinished_sequences(self, this_peer_finished, synced_gpus, device=None, **kwargs):
         call = _call_of(self)
@@ -358,7 +396,7 @@ def _generating_model(obj) -> nn.Module:
 
 
 def lockstep(model, *, stop: str = "sync", sync_every: int = 1, gather: str = "auto",
-             group=None):
+             group=None, decode: str = "eager", bucket: int = 64):
     """Make ``model.generate()`` run in lockstep under ZeRO-3, in place (no weights reloaded).
 
     ``model`` may be a transformers model, a PEFT-wrapped one, or a DeepSpeed engine (its
@@ -369,12 +407,12 @@ def lockstep(model, *, stop: str = "sync", sync_every: int = 1, gather: str = "a
     target = _generating_model(model)
     rt = runtime_of(model)
     target.__class__ = _lockstep_class(type(target))
-    rt.lockstep = LockstepConfig(stop, sync_every, gather, group).validate()
+    rt.lockstep = LockstepConfig(stop, sync_every, gather, group, decode, bucket).validate()
     return model
 
 
 def lockstep_generate(model, *, stop: str = "sync", sync_every: int = 1, gather: str = "auto",
-                      group=None, **generate_kwargs):
+                      group=None, decode: str = "eager", bucket: int = 64, **generate_kwargs):
     """``model.generate(**generate_kwargs)`` in lockstep, leaving ``model``'s class as it was.
 
     ``model`` may be a transformers model, a PEFT model or a DeepSpeed engine. The settings are
@@ -385,6 +423,6 @@ def lockstep_generate(model, *, stop: str = "sync", sync_every: int = 1, gather:
     target.__class__ = _lockstep_class(saved)
     try:
         return zero3.unwrap(model).generate(stop=stop, sync_every=sync_every, gather=gather, group=group,
-                                            **generate_kwargs)
+                                            decode=decode, bucket=bucket, **generate_kwargs)
     finally:
         target.__class__ = saved

@@ -133,6 +133,20 @@ def test_transformers_generation_hooks_and_length_argument():
     assert params[:2] == ["self", "generation_config"] and params.index("input_ids_length") == 2 + 3
     assert hf_up.input_length_arg((None, None, None, 9), {}) == 9
     assert hf_up.input_length_arg((), {"input_ids_length": 5}) == 5
+    # compiled decode: the hook lockstep overrides (model_kwargs, generation_config) and the field it sets
+    params = list(inspect.signature(getattr(GenerationMixin, hf_up.COMPILE_HOOK)).parameters)
+    assert params == ["self", "model_kwargs", "generation_config"]
+    assert hf_up.generation_config_field("max_cache_len") and not hf_up.generation_config_field("no_such_field")
+
+
+def test_dynamo_graph_counter_counts_a_compile():
+    import torch
+
+    from hf_zero3._upstream.torch import dynamo_graph_count
+
+    before = dynamo_graph_count()
+    torch.compile(lambda x: x * 2 + 1, backend="eager")(torch.ones(3))
+    assert dynamo_graph_count() == before + 1
 
 
 def _trainer_contracts(tmpdir):

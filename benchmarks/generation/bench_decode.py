@@ -1,0 +1,123 @@
+"""Rollout decode speed with the whole model gathered (issue #14): layer-wise lockstep, HF eager
+gathered (TRL's ``unwrap_model_for_generation`` + ``generate``), transformers' static cache as is,
+and lockstep's compiled decode (``decode="compiled"``), same run, batch 8 and 64, 128 new tokens,
+rows ending at rank-dependent lengths (a rank-local stopping criterion, as EOS would).
+
+Model: Llama-3.2-1B shape in code (random weights, bf16) under ZeRO-3 on every GPU (up to 2).
+Each configuration runs twice; the first call's extra time is reported as compile seconds, the
+second is measured. ``floor_tok_s``: batch / (bf16 weight bytes / HBM bandwidth), the tokens/s a
+decode step that only streams the weights once would reach (BENCH_HBM_TBPS, default 4.3 TB/s).
+Run: python benchmarks/generation/bench_decode.py   (GPU only; BENCH_BATCHES=8,64)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+from common import llama_1b_config, save, table, world_and_backend  # noqa: E402
+
+MAX_NEW = int(os.environ.get("BENCH_MAX_NEW", 128))
+BATCHES = [int(b) for b in os.environ.get("BENCH_BATCHES", "8,64").split(",")]
+PROMPT = 64
+CONFIGS = ("layerwise", "hf_eager_gathered", "hf_static_gathered", "hf_zero3_compiled")
+
+
+def rank_main():
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    import hf_zero3
+    from hf_zero3.testing import mark, models, strict_zero3_config
+
+    rank = dist.get_rank()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    cfg = llama_1b_config()
+    ds = strict_zero3_config(world_size=dist.get_world_size(), bf16=True)
+    model = models.zero3_model(cfg, ds, dtype=torch.bfloat16)
+    engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
+    engine.eval()
+    module = engine.module
+    n_bytes = sum(p.ds_numel for p in module.parameters()) * 2
+
+    class StopAt(StoppingCriteria):
+        def __init__(self, targets):
+            self.targets = targets.to(dev)
+
+        def __call__(self, input_ids, scores, **kw):
+            return (input_ids.shape[1] - PROMPT) >= self.targets
+
+    def generate(name, kw):
+        if name == "layerwise":
+            return hf_zero3.lockstep_generate(engine, gather="layerwise", sync_every=4, **kw)
+        if name == "hf_zero3_compiled":
+            return hf_zero3.lockstep_generate(engine, gather="all", sync_every=4, decode="compiled", **kw)
+        with deepspeed.zero.GatheredParameters(list(module.parameters())):  # TRL's unwrap_model_for_generation
+            extra = {"cache_implementation": "static"} if name == "hf_static_gathered" else {}
+            return module.generate(**kw, synced_gpus=True, **extra)
+
+    rows = []
+    for batch in BATCHES:
+        g = torch.Generator().manual_seed(rank)
+        ids = torch.randint(3, cfg.vocab_size, (batch, PROMPT), generator=g).to(dev)
+        targets = torch.randint(MAX_NEW // 4, MAX_NEW + 1, (batch,), generator=g)
+        targets[0] = MAX_NEW if rank == 0 else targets[0]
+        useful = int(targets.sum())
+        for name in CONFIGS:
+            times = []
+            for rep in range(2):
+                mark(f"batch {batch} {name} rep {rep}")
+                kw = dict(input_ids=ids, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0, eos_token_id=None,
+                          stopping_criteria=StoppingCriteriaList([StopAt(targets)]))
+                dist.barrier()
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                with torch.no_grad():
+                    generate(name, kw)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t)
+            tot = torch.tensor([useful, times[1]], dtype=torch.float64, device=dev)
+            dist.all_reduce(tot)
+            stats = module.hf_zero3_last_generate if name != "hf_eager_gathered" else None
+            rows.append(dict(batch=batch, config=name, seconds=tot[1].item() / dist.get_world_size(),
+                             useful_tokens=int(tot[0].item()), compile_s=max(0.0, times[0] - times[1]),
+                             decode=getattr(stats, "decode", None) if name.startswith("hf_zero3") else None,
+                             weight_bytes=n_bytes))
+            if rank == 0:
+                print("measured", rows[-1], flush=True)
+    return rows
+
+
+def main():
+    from hf_zero3.testing import run_ranks
+
+    world, backend = world_and_backend()
+    if backend != "nccl":
+        print("bench_decode needs CUDA GPUs; skipped")
+        return
+    rows = run_ranks(rank_main, world, backend=backend, init="deepspeed", timeout=590, pg_timeout=120)[0]
+    bw = float(os.environ.get("BENCH_HBM_TBPS", 4.3)) * 1e12
+    for r in rows:
+        r["tokens_per_s"] = r["useful_tokens"] / r["seconds"] / world  # per rank
+        r["floor_tok_s"] = r["batch"] / (r["weight_bytes"] / bw)
+        r["fraction_of_floor"] = r["tokens_per_s"] / r["floor_tok_s"]
+    for batch in BATCHES:
+        base = {r["config"]: r for r in rows if r["batch"] == batch}
+        for r in base.values():
+            r["vs_hf_eager_gathered"] = r["tokens_per_s"] / base["hf_eager_gathered"]["tokens_per_s"]
+            r["vs_hf_static"] = r["tokens_per_s"] / base["hf_static_gathered"]["tokens_per_s"]
+    setup = dict(world=world, max_new_tokens=MAX_NEW, prompt=PROMPT, batches=BATCHES)
+    path = save("decode", {"setup": setup, "rows": rows}, HERE)
+    print(setup)
+    print(table(rows, ["batch", "config", "decode", "seconds", "tokens_per_s", "compile_s", "fraction_of_floor",
+                       "vs_hf_eager_gathered", "vs_hf_static"]))
+    print(f"raw numbers: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Compiled decoding inside lockstep generation: a static KV cache and transformers' compiled step.
+
+With the whole model gathered once per call (``gather="all"``, or held by TRL's
+``unwrap_model_for_generation``), a decode step runs no collective, and HF's eager loop is bound
+by Python and kernel launches. Transformers already knows how to decode with a static KV cache
+and a ``torch.compile``'d forward (``cache_implementation="static"``); lockstep turns it on when
+the gathered region allows it and keeps every lockstep guarantee (the loop, its forwards and its
+agreed stops are transformers' and ours as in eager decoding; only the forward is compiled).
+
+* **When.** ``decode="compiled"``: always, unless the model or the options cannot (beam search,
+  encoder-decoder models, a cache passed in or another cache implementation, a model transformers
+  does not mark compileable), or the region gathers layer by layer (ZeRO-3's hooks run in every
+  forward). ``decode="auto"``: the same, on CUDA only. ``decode="eager"``: never. Each fallback
+  says why once (``hf_zero3_last_generate.decode_reason``; one log line).
+* **No recompiles across calls.** The static cache is sized to the prompt + new tokens rounded up
+  to ``bucket`` tokens (transformers keeps the largest size seen, so later calls of any length up
+  to it reuse the compiled step); leaving and re-entering the gathered region gives the
+  parameters new storage of the same shape, which the compiled step's guards accept.
+  ``hf_zero3_last_generate.compiles`` counts the Dynamo graphs a call compiled.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+__all__ = ["DECODE_MODES", "resolve", "prepare", "graph_count", "region_allows"]
+
+DECODE_MODES = ("auto", "eager", "compiled")
+log = logging.getLogger("hf_zero3.generation")
+_SAID: set = set()
+
+
+def _say(reason: str, loud: bool) -> None:
+    if reason not in _SAID:
+        _SAID.add(reason)
+        (log.warning if loud else log.info)("hf_zero3 lockstep: eager decoding: %s", reason)
+
+
+def _gen_value(model, kwargs: dict, name: str, default=None):
+    if name in kwargs:
+        return kwargs[name]
+    gen_cfg = kwargs.get("generation_config")
+    if gen_cfg is not None and getattr(gen_cfg, name, None) is not None:
+        return getattr(gen_cfg, name)
+    return getattr(getattr(model, "generation_config", None), name, default)
+
+
+def resolve(model, mode: str, kwargs: dict) -> tuple[bool, str | None]:
+    """(compile the decode step?, why not). Local and cheap: a decode step gathers nothing inside a
+    whole-model region, so ranks deciding differently still issue the same collectives."""
+    if mode == "eager":
+        return False, "decode='eager'"
+    reason = None
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        reason = "encoder-decoder model"
+    elif (_gen_value(model, kwargs, "num_beams", 1) or 1) > 1:
+        reason = "beam search (num_beams > 1)"
+    elif kwargs.get("past_key_values") is not None:
+        reason = "a cache was passed in (past_key_values)"
+    elif _gen_value(model, kwargs, "cache_implementation") not in (None, "static"):
+        reason = f"cache_implementation={_gen_value(model, kwargs, 'cache_implementation')!r}"
+    elif not getattr(model, "_can_compile_fullgraph", False):
+        reason = f"transformers does not mark {type(model).__name__} compileable (_can_compile_fullgraph)"
+    elif mode == "auto" and getattr(getattr(model, "device", None), "type", "cpu") != "cuda":
+        reason = "decode='auto' compiles on CUDA only (decode='compiled' forces it)"
+    if reason is not None:
+        _say(reason, loud=mode == "compiled")
+        return False, reason
+    return True, None
+
+
+def prepare(model, args: tuple, kwargs: dict, bucket: int) -> None:
+    """Ask transformers for a static cache sized to the bucketed length (in ``kwargs``)."""
+    from .._upstream.transformers import generation_config_field
+
+    kwargs.setdefault("cache_implementation", "static")
+    inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    new = _gen_value(model, kwargs, "max_new_tokens")
+    if isinstance(inputs, torch.Tensor) and inputs.dim() == 2 and new and generation_config_field("max_cache_len"):
+        kwargs.setdefault("max_cache_len", int(math.ceil((inputs.shape[1] + int(new)) / bucket) * bucket))
+
+
+def region_allows(gather: str) -> tuple[bool, str | None]:
+    """The agreed gather strategy allows a compiled step (no ZeRO-3 hook runs inside it)."""
+    if gather in ("all", "held"):
+        return True, None
+    return False, f"the model is gathered {gather!r} (ZeRO-3's hooks run in every forward)"
+
+
+def graph_count() -> int:
+    """Dynamo graphs compiled so far in this process."""
+    from .._upstream.torch import dynamo_graph_count
+
+    return dynamo_graph_count()

@@ -1,0 +1,95 @@
+"""Compiled decoding in lockstep (``decode="compiled"``: static KV cache + transformers' compiled
+decode step, inductor on CPU) under strict ZeRO-3 on 2 gloo ranks whose sequences end at different
+steps: fp32 tokens identical to eager lockstep decoding and to an unsharded reference, the same
+number of forwards on every rank, no recompile for another prompt length in the same bucket, and
+an eager fallback that says why."""
+
+import pytest
+import torch
+
+from hf_zero3.testing import mark, run_ranks
+
+
+def _compiled_two_ranks():
+    import torch.distributed as dist
+    from _zero3_workers import ForwardCounter, build_engine
+
+    import hf_zero3
+    from hf_zero3.testing.scenarios import find_eos_scenario
+
+    rank = dist.get_rank()
+    engine, ref = build_engine(hf_aware=False)
+    sc = find_eos_scenario(ref)
+    early_prompt, early_step = sc.early[0]
+    counter = ForwardCounter(engine.module)
+    gen = dict(max_new_tokens=sc.steps, eos_token_id=sc.eos_token_id, pad_token_id=0)
+    results = {"steps": sc.steps, "eos_step_rank0": early_step}
+
+    def run(name, prompt, **kw):
+        mark(f"scenario {name}")
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = hf_zero3.lockstep_generate(engine, input_ids=ids, **gen, **kw)
+        stats = engine.module.hf_zero3_last_generate
+        with torch.no_grad():
+            exp = ref.generate(input_ids=ids, **gen)
+        results[name] = dict(out=out.tolist(), exp=exp.tolist(), forwards=counter.take(), decode=stats.decode,
+                             reason=stats.decode_reason, compiles=stats.compiles, gather=stats.gather,
+                             stat_forwards=stats.forwards)
+
+    prompt = early_prompt if rank == 0 else sc.late[0]
+    run("eager", prompt, gather="all", decode="eager")
+    run("compiled", prompt, gather="all", decode="compiled", bucket=64)
+    # another prompt length in the same 64-token bucket: the compiled step is reused
+    other = (sc.late[1] if rank == 0 else early_prompt)[: max(2, len(prompt) - 3)]
+    run("eager_other", other, gather="all", decode="eager")
+    run("compiled_other", other, gather="all", decode="compiled", bucket=64)
+    run("layerwise", prompt, gather="layerwise", decode="compiled")
+    run("beams", prompt, gather="all", decode="compiled", num_beams=2)
+    run("auto_cpu", prompt, gather="all", decode="auto")
+    mark("done")
+    return results
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(_compiled_two_ranks, 2, timeout=420, pg_timeout=60)
+
+
+def test_compiled_tokens_equal_eager_and_the_reference_in_fp32(results):
+    for r in results:
+        for name in ("compiled", "compiled_other"):
+            assert r[name]["decode"] == "compiled" and r[name]["reason"] is None, r[name]
+            assert r[name]["out"] == r[name.replace("compiled", "eager")]["out"] == r[name]["exp"], name
+
+
+def test_divergent_eos_and_equal_forwards_on_every_rank(results):
+    r0, r1 = results
+    assert r0["eos_step_rank0"] < r0["steps"]  # rank 0's row ends early; rank 1's runs on
+    for name in ("compiled", "compiled_other", "eager"):
+        assert r0[name]["forwards"] == r1[name]["forwards"] > 1, name
+        assert r0[name]["stat_forwards"] == r1[name]["stat_forwards"], name
+
+
+def test_first_call_compiles_and_a_second_length_in_the_bucket_does_not(results):
+    for r in results:
+        assert r["compiled"]["compiles"] > 0
+        assert r["compiled_other"]["compiles"] == 0, r["compiled_other"]
+
+
+def test_unsupported_cases_decode_eagerly_and_say_why(results):
+    for r in results:
+        assert r["layerwise"]["decode"] == "eager" and "layerwise" in r["layerwise"]["reason"]
+        assert r["layerwise"]["out"] == r["layerwise"]["exp"]
+        assert r["beams"]["decode"] == "eager" and "beam search" in r["beams"]["reason"]
+        assert r["auto_cpu"]["decode"] == "eager" and "CUDA only" in r["auto_cpu"]["reason"]
+        assert r["auto_cpu"]["out"] == r["auto_cpu"]["exp"]
+
+
+def test_bad_decode_settings_are_refused_by_name():
+    from hf_zero3.generation.lockstep import LockstepConfig
+
+    with pytest.raises(ValueError, match="decode must be one of"):
+        LockstepConfig(decode="fast").validate()
+    with pytest.raises(ValueError, match="bucket must be a positive int"):
+        LockstepConfig(bucket=0).validate()
