@@ -62,3 +62,34 @@ def wrap_module_function(location: tuple[str, str], wrap):
     original = getattr(module, location[1])
     setattr(module, location[1], wrap(original))
     return lambda: setattr(module, location[1], original)
+
+
+#: ``trl.trainer.utils.add_fused_lm_head`` installs an instance ``forward`` named this, closing over
+#: its settings (read by :func:`fused_lm_head_settings`).
+FUSED_FORWARD = "_fused_forward"
+_FUSED_CELLS = ("original_forward", "temperature", "outputs", "final_logit_softcapping", "logit_scale", "text_config")
+
+
+def fused_lm_head_settings(model) -> dict | None:
+    """The settings of TRL's fused LM head on ``model`` (its instance ``forward``), or None."""
+    import types
+
+    fwd = getattr(model, "__dict__", {}).get("forward")
+    func = getattr(fwd, "__func__", None) if isinstance(fwd, types.MethodType) else None
+    # functools.wraps renamed it after the model's forward; its code object keeps TRL's name
+    if func is None or func.__code__.co_name != FUSED_FORWARD or func.__closure__ is None:
+        return None
+    cells = dict(zip(func.__code__.co_freevars, (c.cell_contents for c in func.__closure__)))
+    missing = [n for n in _FUSED_CELLS if n not in cells]
+    if missing:
+        raise RuntimeError(f"hf_zero3: TRL's fused LM head no longer closes over {missing}; this TRL is newer than "
+                           f"the tested {CHECKED}: upgrade hf_zero3 or turn DeepCompile off for this trainer")
+    s = {n: cells[n] for n in _FUSED_CELLS}
+    s["router_aux_loss_coef"] = getattr(s.pop("text_config"), "router_aux_loss_coef", 0.0)
+    return s
+
+
+def fused_output_class():
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    return FusedCausalLMOutput

@@ -100,6 +100,11 @@ class Zero3Safe(TrainerCallback):
         self._install(model)
         self._attach_engine()
         self._check_compiled()
+        trainer = self.trainer
+        if trainer is not None and getattr(trainer, "_hf_zero3_trl_adapted", False):
+            from ..trl.adapter import before_training
+
+            before_training(trainer)
 
     def _install(self, model) -> None:
         """Lockstep generation on generation models; eval regions on every model (local)."""

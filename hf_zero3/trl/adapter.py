@@ -14,6 +14,10 @@ on the rank in three places; :func:`apply` makes each one collective on the trai
 * **Uneven prompt splits** (``LogCompletionsCallback``, ``WeaveCallback``): each rank's prompts are
   padded to the group's largest count before generating; the padding's completions are dropped.
 
+Under DeepCompile (DeepSpeed config ``compile.deepcompile`` and ``torch_compile=True``), TRL's fused
+LM head on the policy model is replaced by a logits-based one that DeepCompile can compile with the
+backbone (:mod:`hf_zero3.trl.fused_head`).
+
 One TRL behaviour is patched process-wide (undone by ``hf_zero3.unpatch()``): after a gathered
 generation TRL's ``add_hooks`` re-registers DeepSpeed's eager ZeRO-3 hooks on the engine, which
 DeepCompile had removed; the compiled training graph then meets parameters the eager hooks hold
@@ -68,6 +72,10 @@ def apply(trainer, zero3safe=None):
     adapted = []
     patches.install("trl.models.utils.add_hooks: not on DeepCompile engines",
                     lambda: trl_up.wrap_module_function(trl_up.ADD_HOOKS, _skip_on_deepcompile))
+    trainer._hf_zero3_trl_adapted = True  # Zero3Safe.on_train_begin calls before_training
+    if _deepcompile_training(trainer):
+        before_training(trainer)  # apply() after construction; else TRL adds its head later in __init__
+        adapted.append("fused_lm_head")
     if trl_up.has_tool_loop(trainer):
         _align_tool_loop(trainer)
         adapted.append("tool_loop")
@@ -80,6 +88,26 @@ def apply(trainer, zero3safe=None):
     adapted.append("completion_logging")
     log.info("hf_zero3.trl: %s adapted: %s", type(trainer).__name__, ", ".join(adapted) or "generation only")
     return adapted
+
+
+def before_training(trainer) -> bool:
+    """Called when training begins (``Zero3Safe.on_train_begin``), before the first compiled
+    forward: under DeepCompile, TRL's fused LM head on the policy is swapped for the logits-based
+    one (GRPO installs its head after ``Trainer.__init__`` ends, so not earlier). Local."""
+    if not _deepcompile_training(trainer):
+        return False
+    from .fused_head import replace_fused_head
+
+    return replace_fused_head(trainer.model)
+
+
+def _deepcompile_training(trainer) -> bool:
+    """The trainer will train through DeepCompile: its DeepSpeed config enables it and
+    ``torch_compile`` makes accelerate call ``engine.compile()`` (the engine does not exist yet)."""
+    from .._upstream.transformers import trainer_deepspeed_config
+
+    config = trainer_deepspeed_config(trainer) or {}
+    return bool((config.get("compile") or {}).get("deepcompile")) and bool(getattr(trainer.args, "torch_compile", False))
 
 
 def _runtime(trainer):

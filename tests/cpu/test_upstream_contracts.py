@@ -254,3 +254,18 @@ def test_real_tensors_leaves_fake_mode():
         with torch_up.real_tensors():
             t = torch.ones(2)
     assert type(t) is torch.Tensor and t.sum().item() == 2.0
+
+
+def test_trl_fused_lm_head_settings_are_read_from_its_closure():
+    from transformers import Qwen2ForCausalLM
+    from trl.trainer.utils import FusedCausalLMOutput, add_fused_lm_head
+
+    from hf_zero3.testing import models
+
+    model = Qwen2ForCausalLM(models.tiny_qwen2_config(vocab_size=64))
+    assert trl_up.fused_lm_head_settings(model) is None  # no head installed
+    add_fused_lm_head(model, temperature=0.9, outputs=("log_probs", "entropy"))
+    s = trl_up.fused_lm_head_settings(model)
+    assert s["temperature"] == 0.9 and tuple(s["outputs"]) == ("log_probs", "entropy")
+    assert s["logit_scale"] == 1.0 and s["final_logit_softcapping"] is None and s["router_aux_loss_coef"] == 0.0
+    assert callable(s["original_forward"]) and trl_up.fused_output_class() is FusedCausalLMOutput
