@@ -163,6 +163,13 @@ def module_hook_dicts(module: nn.Module) -> Iterator[tuple[str, dict]]:
     yield "_forward_hooks", module._forward_hooks
 
 
+def accumulation_boundary(engine) -> bool:
+    """The coming ``engine.step()`` ends a gradient-accumulation cycle (the optimizer steps); True
+    for an object without DeepSpeed's ``is_gradient_accumulation_boundary``."""
+    fn = getattr(engine, "is_gradient_accumulation_boundary", None)
+    return bool(fn()) if callable(fn) else True
+
+
 def pending_optimizer_bytes(engine) -> int:
     """Device bytes the optimizer will allocate at its first step and has not yet.
 

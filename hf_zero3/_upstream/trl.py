@@ -67,7 +67,8 @@ def wrap_module_function(location: tuple[str, str], wrap):
 #: ``trl.trainer.utils.add_fused_lm_head`` installs an instance ``forward`` named this, closing over
 #: its settings (read by :func:`fused_lm_head_settings`).
 FUSED_FORWARD = "_fused_forward"
-_FUSED_CELLS = ("original_forward", "temperature", "outputs", "final_logit_softcapping", "logit_scale", "text_config")
+_FUSED_CELLS = ("original_forward", "temperature", "outputs", "final_logit_softcapping", "logit_scale", "text_config",
+                "cast_lm_head_to_fp32")
 
 
 def fused_lm_head_settings(model) -> dict | None:
@@ -85,7 +86,9 @@ def fused_lm_head_settings(model) -> dict | None:
         raise RuntimeError(f"hf_zero3: TRL's fused LM head no longer closes over {missing}; this TRL is newer than "
                            f"the tested {CHECKED}: upgrade hf_zero3 or turn DeepCompile off for this trainer")
     s = {n: cells[n] for n in _FUSED_CELLS}
-    s["router_aux_loss_coef"] = getattr(s.pop("text_config"), "router_aux_loss_coef", 0.0)
+    text_config = s.pop("text_config")
+    s["router_aux_loss_coef"] = getattr(text_config, "router_aux_loss_coef", 0.0)
+    s["output_router_logits"] = bool(getattr(text_config, "output_router_logits", False))
     return s
 
 

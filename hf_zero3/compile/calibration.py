@@ -28,11 +28,17 @@ So the plan is trusted only as far as it has been measured:
    let prefetches through lowers the gate budget by the overshoot (never raised again), and says
    so once.
 
+A "step" is an optimizer step: with gradient accumulation, ``engine.step`` calls inside a cycle
+(``is_gradient_accumulation_boundary()`` false, the same on every rank) are measured together
+with the cycle's last one, and an exception raised by ``engine.step`` on one rank is shared with
+every rank at that step's agreement.
+
 Every input of a decision is agreed before anything is acted on, so every rank persists the same
 parameters in the same order (DeepCompile's ``set_persistent`` all-gathers) and its gates take the
-same decisions. Peaks are read with ``torch.cuda.max_memory_allocated`` and reset when a training
-forward begins (as DeepCompile's own profiler resets them during a compile), so a user who resets
-them at the start of a step and reads them after ``engine.step`` still reads the whole step.
+same decisions. Peaks are read with ``torch.cuda.max_memory_allocated`` and reset when the first
+training forward after an optimizer step begins (as DeepCompile's own profiler resets them during
+a compile), so a user who resets them at the start of a step and reads them after the optimizer
+step still reads the whole step.
 """
 
 from __future__ import annotations
@@ -108,6 +114,7 @@ class Calibration:
     planned_since_step: bool = False  # a graph was planned since the last step: skip its peak
     warned: bool = False
     last_issued: int = 0           # the gate's issued-prefetch count at the last watched step
+    reset_pending: bool = True     # the next training forward starts a new optimizer step's measurement
     history: list = field(default_factory=list)  # (agreed fwd/bwd peak, step peak, tighten) per step
 
     @property

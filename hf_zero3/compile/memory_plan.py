@@ -222,9 +222,11 @@ class MemoryPlanPass:
     # --- calibration (see hf_zero3.compile.calibration) -----------------------------------------
 
     def before_forward(self) -> None:
-        """A training forward begins: restart the peak this step will be measured by."""
-        if self.records and self.read_peaks is None and torch.cuda.is_available():
+        """The first training forward after an optimizer step: restart the peak the coming step
+        (all its micro-batches) is measured by."""
+        if self.records and self.calibration.reset_pending and self.read_peaks is None and torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
+        self.calibration.reset_pending = False
 
     def peak_now(self) -> int:
         """This rank's peak since :meth:`before_forward`, in profile units (allocated + non-PyTorch)."""
@@ -236,15 +238,27 @@ class MemoryPlanPass:
         return torch.cuda.max_memory_reserved() + now.non_pytorch
 
     def after_step(self, peak_fwd_bwd: int | None = None, peak_step: int | None = None,
-                   peak_reserved: int | None = None) -> Decision | None:
-        """``engine.step`` returned: agree this step's peaks over the gather group and calibrate or
-        watch. ``peak_*`` default to :attr:`read_peaks` / CUDA's. Returns the calibration's decision
-        on the step that made it."""
-        from hf_zero3.agree import Tag, all_max
+                   peak_reserved: int | None = None, *, boundary: bool = True,
+                   error: BaseException | None = None) -> Decision | None:
+        """``engine.step`` returned (or raised ``error``, shared here with every rank): agree this
+        optimizer step's peaks over the gather group and calibrate or watch. ``peak_*`` default to
+        :attr:`read_peaks` / CUDA's. Steps inside a gradient-accumulation cycle (``boundary``
+        False, the same on every rank) are measured with the cycle's last one. Returns the
+        calibration's decision on the step that made it."""
+        from hf_zero3.agree import Tag, agree, all_max
 
         cal = self.calibration
         if not self.records:  # agreed: a graph is recorded only when every rank planned it
+            if error is not None:
+                raise error
             return None
+        if error is not None:
+            if boundary and not cal.planned_since_step:  # the others are on their way to this step's agreement
+                agree(Tag("memory_plan.step"), self.group(None), [0, 0, 0], error=error)
+            raise error  # no agreement in this step: the others fail at their next collective
+        if not boundary:
+            return None
+        cal.reset_pending = True
         if cal.planned_since_step:  # a compile (and DeepCompile's eager profiling) ran in this step
             cal.planned_since_step = False
             if self.read_peaks is None and torch.cuda.is_available():
@@ -267,6 +281,7 @@ class MemoryPlanPass:
         fb, st, res = all_max([int(peak_fwd_bwd), int(peak_step), int(peak_reserved or 0)], group,
                               Tag("memory_plan.step"))
         gate_budget = min(r.budget.gate_budget for r in self.records.values())
+        issued = self._issued_since_last_step()  # every step, so the flag is this step's
         decision = None
         if cal.calibrating:
             cal.measured += 1
@@ -274,10 +289,10 @@ class MemoryPlanPass:
             cal.peak_reserved = max(cal.peak_reserved, res)
             if cal.measured >= cal.steps:
                 decision = self._decide(group, gate_budget)
-        elif fb > gate_budget - cal.tighten and self.config.gate and self._issued_since_last_step():
-            # Real forward/backward memory went past what the gate allows while prefetches were in
-            # flight: shed them by the overshoot (issue counts are agreed, so every rank gets here).
-            over = fb - (gate_budget - cal.tighten)
+        elif self.config.gate and issued and fb > gate_budget:
+            # Real forward/backward memory went past the budget while prefetches were in flight:
+            # the excess grew by the overshoot; shed prefetches by it (issue counts are agreed).
+            over = fb - gate_budget
             cal.tighten += over
             self._set_gates()
             if not cal.warned:
@@ -556,11 +571,19 @@ def _raise_plan_errors_from_forward(engine, rt) -> None:
         return
 
     def measured_step(*args, **kwargs):
+        from hf_zero3._upstream.deepspeed import accumulation_boundary
+
         planner = rt.memory_plan
-        before = planner.peak_now() if planner is not None and planner.records and planner.read_peaks is None else None
-        out = step(*args, **kwargs)
-        if planner is not None:
-            planner.after_step(before, None)
+        if planner is None:
+            return step(*args, **kwargs)
+        boundary = accumulation_boundary(engine)  # before step() advances it; equal on every rank
+        before = planner.peak_now() if planner.records and planner.read_peaks is None and boundary else None
+        try:
+            out = step(*args, **kwargs)
+        except Exception as exc:  # every rank raises it (they meet in this step's agreement)
+            planner.after_step(boundary=boundary, error=exc)
+            raise
+        planner.after_step(before, None, boundary=boundary)
         return out
 
     measured_step._hf_zero3_measures_plan = True

@@ -16,7 +16,10 @@ agreed stops are transformers' and ours as in eager decoding; only the forward i
   to ``bucket`` tokens (transformers keeps the largest size seen, so later calls of any length up
   to it reuse the compiled step); leaving and re-entering the gathered region gives the
   parameters new storage of the same shape, which the compiled step's guards accept.
-  ``hf_zero3_last_generate.compiles`` counts the Dynamo graphs a call compiled.
+  ``hf_zero3_last_generate.compiles`` counts the Dynamo graphs a call compiled. Not yet measured:
+  on CUDA transformers compiles with ``mode="reduce-overhead"`` (CUDA graphs), and new parameter
+  storage at each region entry may make the graphs re-record once per call (which that counter
+  does not show); ``benchmarks/generation/bench_decode.py`` times the second call to see it.
 """
 
 from __future__ import annotations
@@ -62,6 +65,12 @@ def resolve(model, mode: str, kwargs: dict) -> tuple[bool, str | None]:
         reason = "a cache was passed in (past_key_values)"
     elif _gen_value(model, kwargs, "cache_implementation") not in (None, "static"):
         reason = f"cache_implementation={_gen_value(model, kwargs, 'cache_implementation')!r}"
+    elif not _gen_value(model, kwargs, "max_new_tokens"):
+        # with max_length only, a rank with a longer prompt would decode past its static cache
+        # while the group runs the agreed (largest) step budget
+        reason = "max_new_tokens is not set (a static cache needs it)"
+    elif _gen_value(model, kwargs, "use_cache") is False or _gen_value(model, kwargs, "disable_compile"):
+        reason = "use_cache=False or disable_compile=True"
     elif not getattr(model, "_can_compile_fullgraph", False):
         reason = f"transformers does not mark {type(model).__name__} compileable (_can_compile_fullgraph)"
     elif mode == "auto" and getattr(getattr(model, "device", None), "type", "cpu") != "cuda":
@@ -79,8 +88,9 @@ def prepare(model, args: tuple, kwargs: dict, bucket: int) -> None:
     kwargs.setdefault("cache_implementation", "static")
     inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
     new = _gen_value(model, kwargs, "max_new_tokens")
-    if isinstance(inputs, torch.Tensor) and inputs.dim() == 2 and new and generation_config_field("max_cache_len"):
-        kwargs.setdefault("max_cache_len", int(math.ceil((inputs.shape[1] + int(new)) / bucket) * bucket))
+    if (isinstance(inputs, torch.Tensor) and inputs.dim() == 2 and new and generation_config_field("max_cache_len")
+            and _gen_value(model, kwargs, "max_cache_len") is None):  # a size the user chose stays
+        kwargs["max_cache_len"] = int(math.ceil((inputs.shape[1] + int(new)) / bucket) * bucket)
 
 
 def region_allows(gather: str) -> tuple[bool, str | None]:

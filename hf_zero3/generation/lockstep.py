@@ -297,10 +297,14 @@ class Zero3GenerationMixin:
         call = _call_of(self)
         if call is None:
             return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
-        if not call.compile:
-            return False if call.cfg.decode == "eager" else super()._valid_auto_compile_criteria(
-                model_kwargs, generation_config)
         ok, why = compiled_decode.region_allows(call.stats.gather)
+        if not call.compile:  # never over ZeRO-3's hooks, even with a StaticCache the user passed
+            if call.cfg.decode == "eager" or not ok:
+                return False
+            return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
+        cache = model_kwargs.get("past_key_values")
+        if ok and not getattr(cache, "is_compileable", False):
+            ok, why = False, "the cache transformers prepared is not compileable"
         if not ok:
             call.stats.decode_reason = why
             compiled_decode._say(why, loud=call.cfg.decode == "compiled")

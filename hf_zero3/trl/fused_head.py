@@ -66,6 +66,9 @@ def replace_fused_head(model) -> bool:
         settings = trl_up.fused_lm_head_settings(target)
         if settings is None:
             continue
+        if settings["cast_lm_head_to_fp32"]:
+            log.warning("hf_zero3.trl: cast_lm_head_to_fp32 is not honoured by the logits-based LM head used under "
+                        "DeepCompile: the LM head projects in the model's dtype, the log-softmax runs in fp32")
         target.forward = types.MethodType(_logits_forward(settings), target)
         log.info("hf_zero3.trl: %s's fused LM head replaced by a logits-based one (DeepCompile compiles the LM "
                  "head with the backbone; the logits are materialized)", type(target).__name__)
@@ -99,6 +102,8 @@ def _logits_forward(s: dict):
                     kwargs[name] = value
             return original_forward(*args, **kwargs)
         kwargs["use_cache"] = False
+        if s["output_router_logits"]:  # MoE: as TRL's head (and the model's forward) do
+            kwargs.setdefault("output_router_logits", True)
         out = original_forward(*args, **kwargs)
         logits = out.logits
         if shift_labels is None:
@@ -106,8 +111,9 @@ def _logits_forward(s: dict):
         else:
             labels = shift_labels
         labels = labels.to(logits.device)
-        fields = logits_head_outputs(logits, labels, temperature=s["temperature"], logit_scale=s["logit_scale"],
-                                     softcap=s["final_logit_softcapping"], outputs=tuple(s["outputs"]))
+        # The model's forward already applied its logit scale and softcap (TRL applies them because
+        # it starts from hidden states): only the temperature is left.
+        fields = logits_head_outputs(logits, labels, temperature=s["temperature"], outputs=tuple(s["outputs"]))
         mask = fields["label_mask"]
         loss = -fields["log_probs"].sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None
                                              else num_items_in_batch)

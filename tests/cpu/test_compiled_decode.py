@@ -29,7 +29,7 @@ def _compiled_two_ranks():
         mark(f"scenario {name}")
         ids = torch.tensor([prompt])
         with torch.no_grad():
-            out = hf_zero3.lockstep_generate(engine, input_ids=ids, **gen, **kw)
+            out = hf_zero3.lockstep_generate(engine, input_ids=ids, **{**gen, **kw})
         stats = engine.module.hf_zero3_last_generate
         with torch.no_grad():
             exp = ref.generate(input_ids=ids, **gen)
@@ -47,6 +47,9 @@ def _compiled_two_ranks():
     run("layerwise", prompt, gather="layerwise", decode="compiled")
     run("beams", prompt, gather="all", decode="compiled", num_beams=2)
     run("auto_cpu", prompt, gather="all", decode="auto")
+    # max_length only: ranks' prompts differ, the group runs the largest budget: no static cache
+    run("max_length_only", prompt, gather="all", decode="compiled", max_new_tokens=None,
+        max_length=len(prompt) + sc.steps)
     mark("done")
     return results
 
@@ -84,6 +87,7 @@ def test_unsupported_cases_decode_eagerly_and_say_why(results):
         assert r["beams"]["decode"] == "eager" and "beam search" in r["beams"]["reason"]
         assert r["auto_cpu"]["decode"] == "eager" and "CUDA only" in r["auto_cpu"]["reason"]
         assert r["auto_cpu"]["out"] == r["auto_cpu"]["exp"]
+        assert r["max_length_only"]["decode"] == "eager" and "max_new_tokens" in r["max_length_only"]["reason"]
 
 
 def test_bad_decode_settings_are_refused_by_name():

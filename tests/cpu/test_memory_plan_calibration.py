@@ -188,3 +188,46 @@ def test_a_rank_local_calibration_breaks_the_group():
         assert any(r.outcome != "ok" for r in exc.reports)
         return
     assert r0["persisted"] != r1["persisted"] or not all(ok for _, ok in r0["persisted"] + r1["persisted"])
+
+
+def _accumulation_and_failure_rank():
+    """Micro-steps inside an accumulation cycle take no agreement (rank 0 runs 3 of them, rank 1
+    one: a mismatch would hang); then rank 1's optimizer step raises and every rank raises it."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from hf_zero3.compile import MemoryPlanConfig
+    from hf_zero3.compile.gate import MemoryState
+    from hf_zero3.compile.memory_plan import MemoryPlanPass
+    from hf_zero3.testing.fx_profile import STAND_IN_OPS
+
+    rank, gid = dist.get_rank(), 19
+    rec = _recorded()
+    peak = max(m[3] for m in rec.fwd_mem)
+    state = MemoryState(allocated=peak // 2, reserved=peak // 2, free=10 * peak, total=11 * peak)
+    plan_pass = MemoryPlanPass(MemoryPlanConfig(safety_margin=0.0, calibrate_steps=2), ops=STAND_IN_OPS,
+                               read_memory=lambda: state, persist_fn=lambda ds_id: None,
+                               read_peaks=lambda: (peak, peak, peak), runtime=SimpleNamespace(group=None))
+    assert plan_pass(rec.gm, gid, [(gid, True)], {gid: rec}, None, 0.0, None, True) is not None
+    plan_pass.after_step()  # the compile step
+    for _ in range(3 if rank == 0 else 1):
+        assert plan_pass.after_step(boundary=False) is None
+    plan_pass.after_step()  # boundary: measured step 1
+    out = {"measured": plan_pass.calibration.measured}
+    try:
+        if rank == 1:
+            plan_pass.after_step(boundary=True, error=ValueError("optimizer step failed on rank 1"))
+        else:
+            plan_pass.after_step()
+    except Exception as exc:  # noqa: BLE001
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        out["is_value_error"] = isinstance(exc, ValueError)
+    return out
+
+
+def test_accumulation_micro_steps_and_a_failing_step_keep_the_ranks_together():
+    r0, r1 = run_ranks(_accumulation_and_failure_rank, 2, timeout=120, pg_timeout=20)
+    for r in (r0, r1):
+        assert r["measured"] == 1  # one optimizer step, not 2-4 micro-steps
+        assert "optimizer step failed on rank 1" in r["error"] and r["is_value_error"], r

@@ -58,6 +58,31 @@ def test_logits_head_gives_trls_outputs_and_gradients(shifted):
     assert torch.equal(plain_t, plain_o)
 
 
+def test_a_softcapped_models_logits_are_not_transformed_twice():
+    """Gemma2 softcaps inside its forward; TRL's head applies the softcap itself because it starts
+    from hidden states. The logits head must not apply it again."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    from hf_zero3.trl.fused_head import replace_fused_head
+
+    cfg = Gemma2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, final_logit_softcapping=2.0,
+                       pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        m = Gemma2ForCausalLM(cfg).float()
+        with torch.no_grad():
+            m.lm_head.weight.mul_(20)  # logits well beyond the cap, so a double softcap shows
+        add_fused_lm_head(m, temperature=0.8, outputs=("log_probs", "entropy"))
+        models.append(m)
+    assert replace_fused_head(models[1])
+    ids = torch.randint(3, 96, (2, 10), generator=torch.Generator().manual_seed(2))
+    a, b = (m(input_ids=ids, labels=ids, fused_lm_head=True) for m in models)
+    assert torch.allclose(a.log_probs, b.log_probs, atol=1e-5) and torch.allclose(a.entropy, b.entropy, atol=1e-5)
+
+
 def _grpo_head_rank(tmpdir: str, deepcompile: bool, torch_compile: bool, peft: bool):
     from trl import GRPOConfig, GRPOTrainer
 
