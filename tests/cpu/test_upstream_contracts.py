@@ -57,6 +57,8 @@ def _deepspeed_engine_contracts():
     out["offload"] = (offload is not None, ds_up.offload_from_module_hooks(engine.module) is offload,
                       ds_up.offload_module(offload) is engine.module, bool(ids) and ids <= tables)
     out["pending"] = ds_up.pending_optimizer_bytes(engine) > 0
+    out["boundary"] = (hasattr(engine, "is_gradient_accumulation_boundary"), ds_up.accumulation_boundary(engine),
+                       ds_up.accumulation_boundary(object()))
     out["deepcompile_supported"] = ds_up.deepcompile_supported()
 
     from deepspeed.runtime.rollout import HybridEngineRollout
@@ -82,6 +84,7 @@ def test_zero3_parameter_attributes(engine_contracts):
 def test_engine_accessors(engine_contracts):
     assert engine_contracts["engine"] == (True, True, 0, 3, False, False, False)
     assert engine_contracts["pending"]
+    assert engine_contracts["boundary"] == (True, True, True)  # accumulation 1: every step is a boundary
 
 
 def test_eager_hook_owner_found_from_engine_and_from_the_bare_module(engine_contracts):
