@@ -69,8 +69,12 @@ def resolve(model, mode: str, kwargs: dict) -> tuple[bool, str | None]:
         # with max_length only, a rank with a longer prompt would decode past its static cache
         # while the group runs the agreed (largest) step budget
         reason = "max_new_tokens is not set (a static cache needs it)"
-    elif _gen_value(model, kwargs, "use_cache") is False or _gen_value(model, kwargs, "disable_compile"):
-        reason = "use_cache=False or disable_compile=True"
+    elif _gen_value(model, kwargs, "use_cache") is False:
+        reason = "use_cache=False"
+    elif mode == "auto" and _gen_value(model, kwargs, "disable_compile"):
+        # TRL's GRPO sets it on its generation config to keep transformers from compiling by
+        # itself; decode="compiled" is an explicit request and overrides it
+        reason = "disable_compile=True (decode='compiled' overrides it)"
     elif not getattr(model, "_can_compile_fullgraph", False):
         reason = f"transformers does not mark {type(model).__name__} compileable (_can_compile_fullgraph)"
     elif mode == "auto" and getattr(getattr(model, "device", None), "type", "cpu") != "cuda":
@@ -86,6 +90,7 @@ def prepare(model, args: tuple, kwargs: dict, bucket: int) -> None:
     from .._upstream.transformers import generation_config_field
 
     kwargs.setdefault("cache_implementation", "static")
+    kwargs["disable_compile"] = False
     inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
     new = _gen_value(model, kwargs, "max_new_tokens")
     if (isinstance(inputs, torch.Tensor) and inputs.dim() == 2 and new and generation_config_field("max_cache_len")

@@ -97,3 +97,24 @@ def test_bad_decode_settings_are_refused_by_name():
         LockstepConfig(decode="fast").validate()
     with pytest.raises(ValueError, match="bucket must be a positive int"):
         LockstepConfig(bucket=0).validate()
+
+
+def _grpo_compiled_rank(tmpdir: str):
+    """TRL's GRPO (TRL gathers the model for its rollouts) with Zero3Safe(decode="compiled")."""
+    import hf_zero3
+    from hf_zero3.testing import trl_jobs
+
+    trainer = trl_jobs.grpo_trainer(tmpdir, diverge_eos=True, callbacks=[hf_zero3.Zero3Safe(decode="compiled")])
+    trainer.train()
+    last = hf_zero3.runtime_of(trainer.model).last_generate
+    res = trl_jobs._result(trainer)
+    return dict(decode=last.decode, reason=last.decode_reason, gather=last.gather, losses=res["losses"],
+                forwards=res["forwards_per_call"])
+
+
+def test_trl_grpo_rollouts_take_the_compiled_path(tmp_path):
+    r0, r1 = run_ranks(_grpo_compiled_rank, 2, args=(str(tmp_path),), init="deepspeed", timeout=420, pg_timeout=60)
+    for r in (r0, r1):
+        assert r["gather"] == "held" and r["decode"] == "compiled", r
+        assert len(r["losses"]) == 2 and all(x == x for x in r["losses"])
+    assert r0["forwards"] == r1["forwards"] and r0["losses"] == r1["losses"]
