@@ -191,16 +191,21 @@ class MemoryPlanPass:
         now = self.memory()
         tag = Tag("memory_plan.persist")
         peak = all_max([max(peaks, default=0), now.allocated + now.non_pytorch], group, tag)  # profile units
+        time_of, size_of = self._gathered_params()
+        chosen = plan_persistence([(d, size_of[d], time_of[d]) for d in sorted(size_of)], max(peak), budget.budget)
+        if not all_equal([len(chosen), hash(chosen) & 0x7FFFFFFFFFFFFFFF], group, tag):
+            raise PlanError("hf_zero3 memory plan: ranks chose different persistent parameters; refusing to run")
+        return chosen, size_of
+
+    def _gathered_params(self) -> tuple[dict, dict]:
+        """(ds_id -> total profiled gather time, ds_id -> gathered bytes) over the planned graphs."""
         time_of, size_of = {}, {}
         for rec in self.records.values():
             for nd in rec.profile.nodes:
                 if nd.kind == GATHER:
                     time_of[nd.ds_id] = time_of.get(nd.ds_id, 0.0) + nd.time
                     size_of[nd.ds_id] = nd.nbytes
-        chosen = plan_persistence([(d, size_of[d], time_of[d]) for d in sorted(size_of)], max(peak), budget.budget)
-        if not all_equal([len(chosen), hash(chosen) & 0x7FFFFFFFFFFFFFFF], group, tag):
-            raise PlanError("hf_zero3 memory plan: ranks chose different persistent parameters; refusing to run")
-        return chosen, size_of
+        return time_of, size_of
 
     def _persist(self, chosen: tuple, size_of: dict) -> None:
         from hf_zero3._upstream.deepspeed import deepcompile_handle
@@ -324,12 +329,7 @@ class MemoryPlanPass:
         seen = drifts()
         projected = max((r.profile.peak + seen[(gid, bwd)] for (gid, bwd), r in self.records.items()
                          if (gid, bwd) in seen), default=0)
-        time_of, size_of = {}, {}
-        for rec in self.records.values():
-            for nd in rec.profile.nodes:
-                if nd.kind == GATHER:
-                    time_of[nd.ds_id] = time_of.get(nd.ds_id, 0.0) + nd.time
-                    size_of[nd.ds_id] = nd.nbytes
+        time_of, size_of = self._gathered_params()
         persist = self.config.persist and self.config.mode == "budget"
         d = decide(cal.peak_fwd_bwd, cal.peak_step, projected, gate_budget,
                    [(i, size_of[i], time_of[i]) for i in sorted(size_of)], persist, peak_reserved=cal.peak_reserved,
