@@ -231,3 +231,60 @@ def test_accumulation_micro_steps_and_a_failing_step_keep_the_ranks_together():
     for r in (r0, r1):
         assert r["measured"] == 1  # one optimizer step, not 2-4 micro-steps
         assert "optimizer step failed on rank 1" in r["error"] and r["is_value_error"], r
+
+
+def _step_wrapper_rank():
+    """The engine.step wrapper apply_memory_plan installs: it asks the engine whether the step ends
+    an accumulation cycle (before stepping), measures only those, and shares a step's exception."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from hf_zero3.compile import MemoryPlanConfig
+    from hf_zero3.compile.gate import MemoryState
+    from hf_zero3.compile.memory_plan import MemoryPlanPass, _raise_plan_errors_from_forward
+    from hf_zero3.testing.fx_profile import STAND_IN_OPS
+
+    rank, gid = dist.get_rank(), 23
+    rec = _recorded()
+    peak = max(m[3] for m in rec.fwd_mem)
+    state = MemoryState(allocated=peak // 2, reserved=peak // 2, free=10 * peak, total=11 * peak)
+    plan_pass = MemoryPlanPass(MemoryPlanConfig(safety_margin=0.0, calibrate_steps=2), ops=STAND_IN_OPS,
+                               read_memory=lambda: state, persist_fn=lambda ds_id: None,
+                               read_peaks=lambda: (peak, peak, peak), runtime=SimpleNamespace(group=None))
+    assert plan_pass(rec.gm, gid, [(gid, True)], {gid: rec}, None, 0.0, None, True) is not None
+
+    class Engine:  # DeepSpeed's accumulation bookkeeping: gradient_accumulation_steps=2
+        micro = 0
+
+        def forward(self, x):
+            return x
+
+        def is_gradient_accumulation_boundary(self):
+            return (self.micro + 1) % 2 == 0
+
+        def step(self):
+            self.micro += 1
+            if rank == 1 and self.micro == 6:
+                raise RuntimeError("CUDA out of memory (simulated) on rank 1")
+
+    engine = Engine()
+    _raise_plan_errors_from_forward(engine, SimpleNamespace(memory_plan=plan_pass))
+    out = {}
+    try:
+        for _ in range(8):
+            engine.forward(1)
+            engine.step()
+    except Exception as exc:  # noqa: BLE001
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        out["is_runtime_error"] = isinstance(exc, RuntimeError)
+    out["measured"] = plan_pass.calibration.measured  # boundaries 2 (compile step), 4; 6 failed
+    out["micro"] = engine.micro
+    return out
+
+
+def test_the_step_wrapper_measures_optimizer_steps_and_shares_a_failing_one():
+    r0, r1 = run_ranks(_step_wrapper_rank, 2, timeout=120, pg_timeout=20)
+    for r in (r0, r1):
+        assert r["micro"] == 6 and r["measured"] == 1, r
+        assert "simulated) on rank 1" in r["error"] and r["is_runtime_error"], r
