@@ -1,0 +1,50 @@
+"""Rank-side code for the compiled-decode GPU tests (issue #14; NCCL, one GPU a rank): the 4-layer
+bf16 Llama of _deepcompile_workers under plain ZeRO-3 (no DeepCompile), rows ending at per-rank steps."""
+
+from __future__ import annotations
+
+import torch
+
+from _deepcompile_workers import build
+
+
+def compiled_decode(new_tokens: int = 48):
+    import torch.distributed as dist
+
+    import hf_zero3
+
+    rank = dist.get_rank()
+    engine = build(deepcompile=False, compile_=False, torch_adam=True)
+    engine.eval()
+    module = engine.module
+    g = torch.Generator().manual_seed(rank)
+    ids = torch.randint(3, 32000, (4, 24 + 4 * rank), generator=g).to(engine.device)  # prompt length differs per rank
+    kw = dict(max_new_tokens=new_tokens, pad_token_id=0, eos_token_id=2)
+    out = {}
+    with torch.no_grad():
+        res = hf_zero3.lockstep_generate(engine, input_ids=ids, gather="all", decode="compiled", do_sample=False,
+                                         return_dict_in_generate=True, output_logits=True, **kw)
+        stats = module.hf_zero3_last_generate
+        out["first"] = dict(decode=stats.decode, reason=stats.decode_reason, compiles=stats.compiles,
+                            forwards=stats.forwards)
+        # teacher-forced: one eager forward (whole model gathered) over the compiled call's sequence
+        seq = res.sequences
+        with hf_zero3.eval_forward(engine, gather="all"):
+            eager = module(input_ids=seq).logits.float()
+        steps = len(res.logits)
+        eager_steps = eager[:, ids.shape[1] - 1: ids.shape[1] - 1 + steps]
+        compiled_steps = torch.stack([lg.float() for lg in res.logits], dim=1)
+        diff = (eager_steps - compiled_steps).abs().max().item()
+        scale = eager_steps.abs().max().item()
+        out["teacher_forced"] = dict(max_abs_diff=diff, max_abs_logit=scale)
+        # another prompt length in the same 64-token bucket: no recompile
+        hf_zero3.lockstep_generate(engine, input_ids=ids[:, :-2], gather="all", decode="compiled", **kw)
+        out["second"] = dict(compiles=module.hf_zero3_last_generate.compiles)
+        # sampling with a fixed seed, twice: identical tokens
+        samples = []
+        for _ in range(2):
+            torch.manual_seed(1234)
+            samples.append(hf_zero3.lockstep_generate(engine, input_ids=ids, gather="all", decode="compiled",
+                                                      do_sample=True, top_k=20, **kw).tolist())
+        out["sampling_reproducible"] = samples[0] == samples[1]
+    return out
