@@ -190,19 +190,16 @@ def test_a_rank_local_calibration_breaks_the_group():
     assert r0["persisted"] != r1["persisted"] or not all(ok for _, ok in r0["persisted"] + r1["persisted"])
 
 
-def _accumulation_and_failure_rank():
-    """Micro-steps inside an accumulation cycle take no agreement (rank 0 runs 3 of them, rank 1
-    one: a mismatch would hang); then rank 1's optimizer step raises and every rank raises it."""
+def _planned_pass(gid: int):
+    """A pass that planned the recorded graph (graph ``gid``), every rank reading the same memory
+    and peaks (the world group agrees)."""
     from types import SimpleNamespace
-
-    import torch.distributed as dist
 
     from hf_zero3.compile import MemoryPlanConfig
     from hf_zero3.compile.gate import MemoryState
     from hf_zero3.compile.memory_plan import MemoryPlanPass
     from hf_zero3.testing.fx_profile import STAND_IN_OPS
 
-    rank, gid = dist.get_rank(), 19
     rec = _recorded()
     peak = max(m[3] for m in rec.fwd_mem)
     state = MemoryState(allocated=peak // 2, reserved=peak // 2, free=10 * peak, total=11 * peak)
@@ -210,6 +207,16 @@ def _accumulation_and_failure_rank():
                                read_memory=lambda: state, persist_fn=lambda ds_id: None,
                                read_peaks=lambda: (peak, peak, peak), runtime=SimpleNamespace(group=None))
     assert plan_pass(rec.gm, gid, [(gid, True)], {gid: rec}, None, 0.0, None, True) is not None
+    return plan_pass
+
+
+def _accumulation_and_failure_rank():
+    """Micro-steps inside an accumulation cycle take no agreement (rank 0 runs 3 of them, rank 1
+    one: a mismatch would hang); then rank 1's optimizer step raises and every rank raises it."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    plan_pass = _planned_pass(19)
     plan_pass.after_step()  # the compile step
     for _ in range(3 if rank == 0 else 1):
         assert plan_pass.after_step(boundary=False) is None
@@ -240,19 +247,10 @@ def _step_wrapper_rank():
 
     import torch.distributed as dist
 
-    from hf_zero3.compile import MemoryPlanConfig
-    from hf_zero3.compile.gate import MemoryState
-    from hf_zero3.compile.memory_plan import MemoryPlanPass, _raise_plan_errors_from_forward
-    from hf_zero3.testing.fx_profile import STAND_IN_OPS
+    from hf_zero3.compile.memory_plan import _raise_plan_errors_from_forward
 
-    rank, gid = dist.get_rank(), 23
-    rec = _recorded()
-    peak = max(m[3] for m in rec.fwd_mem)
-    state = MemoryState(allocated=peak // 2, reserved=peak // 2, free=10 * peak, total=11 * peak)
-    plan_pass = MemoryPlanPass(MemoryPlanConfig(safety_margin=0.0, calibrate_steps=2), ops=STAND_IN_OPS,
-                               read_memory=lambda: state, persist_fn=lambda ds_id: None,
-                               read_peaks=lambda: (peak, peak, peak), runtime=SimpleNamespace(group=None))
-    assert plan_pass(rec.gm, gid, [(gid, True)], {gid: rec}, None, 0.0, None, True) is not None
+    rank = dist.get_rank()
+    plan_pass = _planned_pass(23)
 
     class Engine:  # DeepSpeed's accumulation bookkeeping: gradient_accumulation_steps=2
         micro = 0
