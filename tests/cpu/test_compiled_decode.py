@@ -118,3 +118,27 @@ def test_trl_grpo_rollouts_take_the_compiled_path(tmp_path):
         assert r["gather"] == "held" and r["decode"] == "compiled", r
         assert len(r["losses"]) == 2 and all(x == x for x in r["losses"])
     assert r0["forwards"] == r1["forwards"] and r0["losses"] == r1["losses"]
+
+
+def _batch_sizes_rank():
+    from _zero3_workers import build_engine
+
+    import hf_zero3
+
+    engine, _ = build_engine(hf_aware=False)
+    out = []
+    for b in (1, 2, 3, 4, 2):
+        ids = torch.randint(3, engine.module.config.vocab_size, (b, 6), generator=torch.Generator().manual_seed(b))
+        with torch.no_grad():
+            hf_zero3.lockstep_generate(engine, input_ids=ids, max_new_tokens=8, pad_token_id=0, eos_token_id=None,
+                                       gather="all", decode="compiled")
+        stats = engine.module.hf_zero3_last_generate
+        out.append((b, stats.decode, stats.compiles))
+    return out
+
+
+def test_batch_sizes_recompile_once_then_reuse_a_dynamic_step():
+    # Dynamo's automatic dynamic shapes: the second batch size compiles a batch-dynamic step once
+    (r,) = run_ranks(_batch_sizes_rank, 1, init="deepspeed", timeout=300, pg_timeout=60)
+    assert [d for _, d, _ in r] == ["compiled"] * 5
+    assert [c > 0 for _, _, c in r] == [True, True, False, False, False], r
