@@ -2,10 +2,10 @@
 
 The runtime owns the model's gather group, its lockstep and eval settings, the gathered region
 open on it, its memory plan, the call counter its agreements are tagged with, and the report of
-the last ``generate()``. It is attached explicitly, as the attribute ``hf_zero3_runtime`` on the
-engine, the module it wraps and (for PEFT) the base model that generates, by whichever entry point
-first sees them (the public report ``hf_zero3_last_generate`` is also left on the generating model) (``lockstep``, ``eval_forward``, ``Zero3Safe``, the memory plan, the TRL
-adapter). Nothing is found by scanning the heap: a bare module handed to ``deepspeed.initialize``
+the last ``generate()`` (also left on the generating model as ``hf_zero3_last_generate``). It is
+attached explicitly, as the attribute ``hf_zero3_runtime`` on the engine, the module it wraps and
+(for PEFT) the base model that generates, by whichever entry point first sees them (``lockstep``,
+``eval_forward``, ``Zero3Safe``, the memory plan, the TRL adapter). Nothing is found by scanning the heap: a bare module handed to ``deepspeed.initialize``
 is served through the eager hooks DeepSpeed put on it (:mod:`hf_zero3._upstream.deepspeed`).
 
 A deep-copied or pickled model does not take its runtime along (the copy gets its own on first use).

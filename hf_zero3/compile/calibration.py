@@ -43,13 +43,10 @@ step still reads the whole step.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Sequence
 
 __all__ = ["Decision", "decide", "Calibration"]
-
-log = logging.getLogger("hf_zero3.memory_plan")
 
 
 @dataclass(frozen=True)
@@ -115,7 +112,7 @@ class Calibration:
     warned: bool = False
     last_issued: int = 0           # the gate's issued-prefetch count at the last watched step
     reset_pending: bool = True     # the next training forward starts a new optimizer step's measurement
-    history: list = field(default_factory=list)  # (agreed fwd/bwd peak, step peak, tighten) per step
+    history: list = field(default_factory=list)  # (agreed fwd/bwd, step, reserved peak, tighten) per step
 
     @property
     def calibrating(self) -> bool:

@@ -37,9 +37,9 @@ _LOCK = threading.Lock()
 _LIB = None
 _GROUPS: dict[int, object] = {}   # graph_id -> gather process group
 _STATE_FNS: dict[int, Callable[[], "MemoryState"]] = {}  # graph_id -> memory reader (CPU tests)
-# graph_id -> (calibration cap or None, tighten): set from agreed calibration results only
+# (graph_id, bwd) -> (calibration cap or None, tighten): set from agreed calibration results only
 # (hf_zero3.compile.calibration), so every rank's launch carries the same budget.
-_ADJUST: dict[tuple[int, bool], tuple[int | None, int]] = {}   # keyed (graph_id, bwd)
+_ADJUST: dict[tuple[int, bool], tuple[int | None, int]] = {}
 _DRIFTS: dict[tuple[int, bool], int] = {}   # (graph_id, bwd) -> largest agreed drift since reset_drifts()
 
 

@@ -235,12 +235,12 @@ class MemoryPlanPass:
 
     def peak_now(self) -> int:
         """This rank's peak since :meth:`before_forward`, in profile units (allocated + non-PyTorch)."""
-        now = self.memory()
-        return torch.cuda.max_memory_allocated() + now.non_pytorch
+        return self.peaks_now()[0]
 
-    def reserved_peak_now(self) -> int:
-        now = self.memory()
-        return torch.cuda.max_memory_reserved() + now.non_pytorch
+    def peaks_now(self) -> tuple[int, int]:
+        """(allocated, reserved) peaks since :meth:`before_forward`, in profile units (one memory read)."""
+        non_pytorch = self.memory().non_pytorch
+        return torch.cuda.max_memory_allocated() + non_pytorch, torch.cuda.max_memory_reserved() + non_pytorch
 
     def after_step(self, peak_fwd_bwd: int | None = None, peak_step: int | None = None,
                    peak_reserved: int | None = None, *, boundary: bool = True,
@@ -280,7 +280,7 @@ class MemoryPlanPass:
             if self.read_peaks is not None:
                 peak_fwd_bwd, peak_step, peak_reserved = self.read_peaks()
             else:
-                peak_step, peak_reserved = self.peak_now(), self.reserved_peak_now()
+                peak_step, peak_reserved = self.peaks_now()
                 peak_fwd_bwd = peak_step if peak_fwd_bwd is None else peak_fwd_bwd
         group = self.group(None)
         fb, st, res = all_max([int(peak_fwd_bwd), int(peak_step), int(peak_reserved or 0)], group,
@@ -304,11 +304,11 @@ class MemoryPlanPass:
                 cal.warned = True
                 log.warning("hf_zero3 memory plan: a step peaked at %.2f GiB, %.2f GiB above the gate budget; "
                             "prefetches are now gated %.2f GiB lower", fb / 2**30, over / 2**30, cal.tighten / 2**30)
-        if st > max(r.budget.limit for r in self.records.values()) and not cal.warned:
+        limit = max(r.budget.limit for r in self.records.values())
+        if st > limit and not cal.warned:
             cal.warned = True
             log.warning("hf_zero3 memory plan: a step peaked at %.2f GiB, above the limit of %.2f GiB, outside what the "
-                        "gate controls (optimizer step, loss, reduce buckets)", st / 2**30,
-                        max(r.budget.limit for r in self.records.values()) / 2**30)
+                        "gate controls (optimizer step, loss, reduce buckets)", st / 2**30, limit / 2**30)
         cal.history.append((fb, st, res, cal.tighten))
         return decision
 

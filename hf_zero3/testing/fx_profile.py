@@ -25,7 +25,8 @@ from torch.utils import _pytree as pytree
 
 from hf_zero3.compile.planner import GATHER, RELEASE
 
-__all__ = ["gather", "release", "RecordedProfile", "record_zero3_graph", "record_tiny_model", "STAND_IN_OPS"]
+__all__ = ["gather", "release", "RecordedProfile", "record_zero3_graph", "record_tiny_model", "record_tiny_backward",
+           "collective_issue", "STAND_IN_OPS"]
 
 GATHER_LATENCY = 20e-6
 GATHER_BANDWIDTH = 25e9
@@ -120,6 +121,29 @@ def record_tiny_model(config=None, repeats: int = 1) -> RecordedProfile:
     torch.manual_seed(0)
     model = models.model_class_for(cfg)(cfg).eval()
     return record_zero3_graph(model, torch.randint(3, cfg.vocab_size, (2, 16)), repeats=repeats)
+
+
+def record_tiny_backward() -> RecordedProfile:
+    """:func:`record_tiny_model` with its fields also standing for a backward graph: DeepCompile
+    hands the memory-plan pass a backward graph's fields, and the recorded forward plays it."""
+    rec = record_tiny_model()
+    rec.bwd_graph, rec.bwd_mem, rec.bwd_time = rec.fwd_graph, rec.fwd_mem, rec.fwd_time
+    rec.bwd_tensor_sizes, rec.fwd_mem_complete, rec.bwd_mem_complete = rec.fwd_tensor_sizes, True, True
+    return rec
+
+
+def collective_issue(issued: list):
+    """An issue function for :func:`hf_zero3.compile.gate.set_issue_fn` that runs a real gloo
+    all-reduce per issued prefetch (as DeepCompile's all-gather would) and appends its ids to
+    ``issued``: ranks whose gates disagree hang or fail instead of passing silently."""
+    import torch.distributed as dist
+
+    def issue(graph_id, params, ids):
+        t = torch.tensor([float(sum(ids) + 1)])
+        dist.all_reduce(t)
+        issued.append(tuple(ids))
+
+    return issue
 
 
 class _Profiler(Interpreter):

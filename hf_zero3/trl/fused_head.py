@@ -20,6 +20,7 @@ logits are materialized (in fp32 for the log-softmax), as in TRL's unfused path.
 
 from __future__ import annotations
 
+import functools
 import logging
 import types
 
@@ -31,16 +32,13 @@ log = logging.getLogger("hf_zero3.trl")
 
 
 def logits_head_outputs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
-                        logit_scale: float = 1.0, softcap: float | None = None,
                         outputs: tuple = ("log_probs",)) -> dict:
     """TRL's per-token fields (``log_probs``, ``entropy``, ``log_sum_sq_probs``, ``mean_logits``,
     ``is_top1``; 0 where ``labels == -100``) from already-shifted ``logits`` [B, T, V] and ``labels``
-    [B, T], with TRL's transform: ``z = softcap * tanh(logits * scale / softcap) / temperature``."""
+    [B, T]: ``z = logits / temperature``. The model's forward has applied its own logit scale and
+    softcap already (TRL's head applies them because it starts from hidden states)."""
     mask = labels != -100
-    z = logits.float() * logit_scale
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
-    z = z / temperature
+    z = logits.float() / temperature
     log_z = torch.logsumexp(z, dim=-1)
     target = z.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     out = {"log_probs": (target - log_z).masked_fill(~mask, 0.0), "label_mask": mask}
@@ -111,8 +109,6 @@ def _logits_forward(s: dict):
         else:
             labels = shift_labels
         labels = labels.to(logits.device)
-        # The model's forward already applied its logit scale and softcap (TRL applies them because
-        # it starts from hidden states): only the temperature is left.
         fields = logits_head_outputs(logits, labels, temperature=s["temperature"], outputs=tuple(s["outputs"]))
         mask = fields["label_mask"]
         loss = -fields["log_probs"].sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None
@@ -121,8 +117,6 @@ def _logits_forward(s: dict):
         if aux_loss is not None and kwargs.get("output_router_logits"):
             loss = loss + s["router_aux_loss_coef"] * aux_loss
         return output_cls(loss=loss, aux_loss=aux_loss, **fields)
-
-    import functools
 
     functools.update_wrapper(forward, getattr(original_forward, "__func__", original_forward))  # generate() reads it
     forward._hf_zero3_logits_head = True

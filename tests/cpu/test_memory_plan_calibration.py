@@ -56,15 +56,6 @@ def test_decision_is_monotone_in_the_measured_peak():
         previous = d
 
 
-def _recorded():
-    from hf_zero3.testing.fx_profile import record_tiny_model
-
-    rec = record_tiny_model()
-    rec.bwd_graph, rec.bwd_mem, rec.bwd_time = rec.fwd_graph, rec.fwd_mem, rec.fwd_time
-    rec.bwd_tensor_sizes, rec.fwd_mem_complete, rec.bwd_mem_complete = rec.fwd_tensor_sizes, True, True
-    return rec
-
-
 def _calibrating_rank(agree: bool, extra_peak: tuple[int, ...], slack: int = 60_000, jump: int = 0,
                       persist: bool = True):
     """Plan, run the gated graph while calibrating, report 2 measured steps (this rank's peak is
@@ -80,10 +71,10 @@ def _calibrating_rank(agree: bool, extra_peak: tuple[int, ...], slack: int = 60_
     from hf_zero3.compile.gate import MemoryState
     from hf_zero3.compile.memory_plan import MemoryPlanPass
     from hf_zero3.testing import mark
-    from hf_zero3.testing.fx_profile import STAND_IN_OPS
+    from hf_zero3.testing.fx_profile import STAND_IN_OPS, collective_issue, record_tiny_backward
 
     rank, gid = dist.get_rank(), 17
-    rec = _recorded()
+    rec = record_tiny_backward()
     with torch.no_grad():
         reference = Interpreter(rec.gm).run(*rec.inputs)
     peak = max(m[3] for m in rec.fwd_mem)
@@ -114,13 +105,7 @@ def _calibrating_rank(agree: bool, extra_peak: tuple[int, ...], slack: int = 60_
     run_state = MemoryState(allocated=ref_alloc, reserved=0, free=total, total=total)  # drift 0: as profiled
     gate.set_launch_group(gid, group, state_fn=lambda: run_state)
     issued = []
-
-    def issue(graph_id, params, ids):
-        t = torch.tensor([float(sum(ids) + 1)])
-        dist.all_reduce(t)
-        issued.append(tuple(ids))
-
-    gate.set_issue_fn(issue)
+    gate.set_issue_fn(collective_issue(issued))
     runs = []
     decisions = []
     for step in range(5):  # step 0 compiled (skipped), 1-2 measured, 3-4 run calibrated
@@ -198,9 +183,9 @@ def _planned_pass(gid: int):
     from hf_zero3.compile import MemoryPlanConfig
     from hf_zero3.compile.gate import MemoryState
     from hf_zero3.compile.memory_plan import MemoryPlanPass
-    from hf_zero3.testing.fx_profile import STAND_IN_OPS
+    from hf_zero3.testing.fx_profile import STAND_IN_OPS, record_tiny_backward
 
-    rec = _recorded()
+    rec = record_tiny_backward()
     peak = max(m[3] for m in rec.fwd_mem)
     state = MemoryState(allocated=peak // 2, reserved=peak // 2, free=10 * peak, total=11 * peak)
     plan_pass = MemoryPlanPass(MemoryPlanConfig(safety_margin=0.0, calibrate_steps=2), ops=STAND_IN_OPS,

@@ -11,16 +11,6 @@ import torch
 from hf_zero3.testing import run_ranks
 
 
-def _recorded():
-    from hf_zero3.testing.fx_profile import record_tiny_model
-
-    rec = record_tiny_model()
-    # DeepCompile would hand the pass the backward graph's fields; alias the recorded ones.
-    rec.bwd_graph, rec.bwd_mem, rec.bwd_time = rec.fwd_graph, rec.fwd_mem, rec.fwd_time
-    rec.bwd_tensor_sizes, rec.fwd_mem_complete, rec.bwd_mem_complete = rec.fwd_tensor_sizes, True, True
-    return rec
-
-
 def _pass_rank(limit_slack: int):
     import torch.distributed as dist
     from torch.fx import Interpreter
@@ -28,10 +18,10 @@ def _pass_rank(limit_slack: int):
     from hf_zero3.compile import MemoryPlanConfig, gate
     from hf_zero3.compile.gate import MemoryState
     from hf_zero3.compile.memory_plan import MemoryPlanPass
-    from hf_zero3.testing.fx_profile import STAND_IN_OPS
+    from hf_zero3.testing.fx_profile import STAND_IN_OPS, collective_issue, record_tiny_backward
 
     rank, gid = dist.get_rank(), 11
-    rec = _recorded()
+    rec = record_tiny_backward()
     with torch.no_grad():
         reference = Interpreter(rec.gm).run(*rec.inputs)
     peak = max(m[3] for m in rec.fwd_mem)
@@ -65,13 +55,7 @@ def _pass_rank(limit_slack: int):
     rec_state = MemoryState(allocated=0, reserved=0, free=total, total=total)
     gate.set_launch_group(gid, None, state_fn=lambda: rec_state)
     issued = []
-
-    def issue(graph_id, params, ids):
-        t = torch.tensor([float(sum(ids) + 1)])
-        dist.all_reduce(t)
-        issued.append(tuple(ids))
-
-    gate.set_issue_fn(issue)
+    gate.set_issue_fn(collective_issue(issued))
     with torch.no_grad():
         out = Interpreter(out_gm).run(*rec.inputs)
     gate.set_issue_fn(None)
@@ -105,10 +89,10 @@ def _one_rank_fails_while_planning():
     from hf_zero3.compile import MemoryPlanConfig
     from hf_zero3.compile.gate import MemoryState
     from hf_zero3.compile.memory_plan import MemoryPlanPass
-    from hf_zero3.testing.fx_profile import STAND_IN_OPS
+    from hf_zero3.testing.fx_profile import STAND_IN_OPS, record_tiny_backward
 
     rank, gid = dist.get_rank(), 13
-    rec = _recorded()
+    rec = record_tiny_backward()
     nodes_before = len(rec.gm.graph.nodes)
     peak = max(m[3] for m in rec.fwd_mem)
 
