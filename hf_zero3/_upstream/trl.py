@@ -16,6 +16,8 @@ SINGLE_TURN = "_generate_single_turn"
 GENERATE_COMPLETIONS = ("trl.trainer.callbacks", "_generate_completions")
 #: re-registers DeepSpeed's eager ZeRO-3 hooks after each gathered generation
 ADD_HOOKS = ("trl.models.utils", "add_hooks")
+#: the gathering context behind ``unwrap_model_for_generation`` (looked up as a module global by it)
+UNWRAP_FOR_GENERATION = ("trl.models.utils", "_unwrap_model_for_generation")
 
 
 def is_trl_trainer(trainer) -> bool:

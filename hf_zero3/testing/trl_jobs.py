@@ -200,7 +200,7 @@ def _conversations(n: int = 8):
 
 
 def grpo_trainer(tmpdir: str, *, gather: bool = True, tools: bool = False,
-                 diverge_eos: bool = False, peft: bool = False, callbacks=()):
+                 diverge_eos: bool = False, peft: bool = False, evaluate: bool = False, callbacks=()):
     """``trl.GRPOTrainer`` (2 prompts x 2 generations per step, 16 new tokens, 2 steps).
 
     ``gather``: ``ds3_gather_for_generation``. ``tools=True`` passes ``tools=[ping]`` and scripts
@@ -208,7 +208,8 @@ def grpo_trainer(tmpdir: str, *, gather: bool = True, tools: bool = False,
     and the tool's answer). ``diverge_eos=True`` scripts ``RankScript("eos")``. ``peft=True``
     passes ``peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"])``: TRL wraps the
     model in a ``PeftModel`` (only the adapters train; TRL's reference model is the base model
-    with the adapters disabled).
+    with the adapters disabled). ``evaluate=True`` evaluates after every step on 4 prompts, 2 eval
+    batches a rank (GRPO generates for each eval batch).
     """
     from trl import GRPOConfig, GRPOTrainer
 
@@ -218,12 +219,14 @@ def grpo_trainer(tmpdir: str, *, gather: bool = True, tools: bool = False,
 
         peft_config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
 
+    evals = dict(eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=2) if evaluate else {}
     args = _args(GRPOConfig, tmpdir, num_generations=2, max_completion_length=80 if tools else 16,
-                 ds3_gather_for_generation=gather)
+                 ds3_gather_for_generation=gather, **evals)
     tok = tiny_tokenizer()
     model = _model(tok, script="tool" if tools else "eos" if diverge_eos else None)
     return GRPOTrainer(model=model, reward_funcs=length_reward, args=args,
-                       train_dataset=_prompts(), processing_class=tok,
+                       train_dataset=_prompts(), eval_dataset=_prompts(4) if evaluate else None,
+                       processing_class=tok,
                        tools=[ping] if tools else None, callbacks=list(callbacks),
                        peft_config=peft_config)
 

@@ -18,11 +18,15 @@ Under DeepCompile (DeepSpeed config ``compile.deepcompile`` and ``torch_compile=
 LM head on the policy model is replaced by a logits-based one that DeepCompile can compile with the
 backbone (:mod:`hf_zero3.trl.fused_head`).
 
-One TRL behaviour is patched process-wide (undone by ``hf_zero3.unpatch()``): after a gathered
-generation TRL's ``add_hooks`` re-registers DeepSpeed's eager ZeRO-3 hooks on the engine, which
-DeepCompile had removed; the compiled training graph then meets parameters the eager hooks hold
-("Cannot free a ZeRO-3 parameter while it is still active in submodules"). On an engine whose
-DeepCompile is active the re-registration is skipped.
+Two TRL behaviours are patched process-wide (undone by ``hf_zero3.unpatch()``):
+
+* after a gathered generation TRL's ``add_hooks`` re-registers DeepSpeed's eager ZeRO-3 hooks on
+  the engine, which DeepCompile had removed; the compiled training graph then meets parameters the
+  eager hooks hold ("Cannot free a ZeRO-3 parameter while it is still active in submodules"). On
+  an engine whose DeepCompile is active the re-registration is skipped;
+* generation inside ``evaluate`` (GRPO and the distillation trainers generate for each eval
+  batch) would gather the whole model while ``Zero3Safe``'s eval region still holds it ("Nested
+  GatheredParameters contexts cannot overlap parameters"); the region is released first.
 
 Generation itself goes through lockstep generation (installed by ``Zero3Safe``): when TRL already
 holds the whole model gathered, the call uses it as it is (no second gather) and still stops with
@@ -39,6 +43,7 @@ from .. import zero3
 from .._upstream import patches
 from .._upstream import trl as trl_up
 from .._upstream.versions import require
+from ..gathering import close_eval_region
 from ..runtime import runtime_of
 
 __all__ = ["apply"]
@@ -72,6 +77,8 @@ def apply(trainer, zero3safe=None):
     adapted = []
     patches.install("trl.models.utils.add_hooks: not on DeepCompile engines",
                     lambda: trl_up.wrap_module_function(trl_up.ADD_HOOKS, _skip_on_deepcompile))
+    patches.install("trl.models.utils._unwrap_model_for_generation: release the eval region first",
+                    lambda: trl_up.wrap_module_function(trl_up.UNWRAP_FOR_GENERATION, _release_eval_region))
     trainer._hf_zero3_trl_adapted = True  # Zero3Safe.on_train_begin calls before_training
     if _deepcompile_training(trainer):
         before_training(trainer)  # apply() after construction; else TRL adds its head later in __init__
@@ -222,6 +229,22 @@ def _skip_on_deepcompile(add_hooks):
         if ds_up.is_engine(model) and ds_up.deepcompile_active(model):
             return None
         return add_hooks(model)
+
+    return wrapped
+
+
+def _release_eval_region(unwrap):
+    """TRL's gathering context for generation, after releasing an eval region that ``Zero3Safe``
+    holds open on the model (TRL's GRPO and distillation trainers generate inside ``evaluate``,
+    between eval forwards): DeepSpeed refuses a ``GatheredParameters`` over parameters another one
+    still holds. Local; the next eval forward gathers again, on every rank alike."""
+
+    @functools.wraps(unwrap)
+    def wrapped(model, accelerator, *args, **kwargs):
+        gather = kwargs.get("gather_deepspeed3_params", args[0] if args else True)
+        if gather:
+            close_eval_region(model)
+        return unwrap(model, accelerator, *args, **kwargs)
 
     return wrapped
 

@@ -48,6 +48,8 @@ GRPO_CASES = {
     "grpo_tools_gather": dict(gather=True, tools=True),
     "grpo_tools_nogather": dict(gather=False, tools=True),
     "grpo_peft_lora": dict(gather=True, peft=True),
+    "grpo_eval_gather": dict(gather=True, evaluate=True),
+    "grpo_eval_nogather": dict(gather=False, evaluate=True),
 }
 DISTILL_CASES = {
     "gkd_draws": ("gkd_trainer", dict(lmbda=0.5)),  # trl_jobs default: divergent draws
@@ -75,7 +77,7 @@ def _distill_cases(tmpdir):
 @pytest.fixture(scope="module")
 def grpo_results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("grpo")
-    return run_ranks(_grpo_cases, 2, args=(str(tmp),), init="deepspeed", timeout=240, pg_timeout=20)
+    return run_ranks(_grpo_cases, 2, args=(str(tmp),), init="deepspeed", timeout=320, pg_timeout=20)
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +141,18 @@ def test_grpo_tool_round_of_one_rank_is_joined(grpo_results, name):
     assert first == [TOOL_LEN] * STEPS
     assert _log(r0, "tools/call_frequency") and all(x > 0 for x in _log(r0, "tools/call_frequency"))
     assert r0["gather"] == r1["gather"] == ("held" if name == "grpo_tools_gather" else "all")
+
+
+@pytest.mark.parametrize("name", ["grpo_eval_gather", "grpo_eval_nogather"])
+def test_grpo_evaluates_between_steps(grpo_results, name):
+    """GRPO generates for each eval batch, between eval forwards that hold Zero3Safe's eval region:
+    TRL's gather for generation must not meet the region's (DeepSpeed refuses nested gathers)."""
+    r0, r1 = _both(grpo_results, name)
+    _check_common(r0, r1, GRPO_LEN)
+    assert _log(r0, "eval_loss") == _log(r1, "eval_loss") and len(_log(r0, "eval_loss")) == STEPS
+    assert all(math.isfinite(x) for x in _log(r0, "eval_loss"))
+    # per step: one rollout and one generation per eval batch (2 a rank)
+    assert r0["generate_calls"] == r1["generate_calls"] == STEPS * (1 + 2)
 
 
 def test_grpo_peft_lora(grpo_results):
@@ -207,6 +221,26 @@ def test_control_gkd_divergent_draws_without_fix_hangs(tmp_path):
     failure = _expect_failure(tmp_path, "run_gkd")
     # rank 0 generates (gathering per layer), rank 1 does not: a collective waits in vain
     assert "Timed out" in str(failure) or "hang" in failure.outcomes.values(), str(failure)
+
+
+def _grpo_eval_without_region_release(tmpdir):
+    """GRPO evaluating between steps with Zero3Safe, its release of the eval region before TRL's
+    gather for generation removed (the failure first seen on GPU under DeepCompile)."""
+    import hf_zero3
+    from hf_zero3._upstream import patches
+    from hf_zero3.testing import trl_jobs
+
+    trainer = trl_jobs.grpo_trainer(tmpdir, evaluate=True, callbacks=[hf_zero3.Zero3Safe()])
+    assert patches.remove("trl.models.utils._unwrap_model_for_generation: release the eval region first")
+    mark("training")
+    trainer.train()
+
+
+def test_control_grpo_eval_without_region_release_fails(tmp_path):
+    with pytest.raises(DistributedFailure) as info:
+        run_ranks(_grpo_eval_without_region_release, 2, args=(str(tmp_path),), init="deepspeed", timeout=90,
+                  pg_timeout=8)
+    assert "Nested GatheredParameters" in str(info.value), str(info.value)
 
 
 # -- completion logging: TRL splits the prompts unevenly across ranks -----------------------------
