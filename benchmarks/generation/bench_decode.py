@@ -12,6 +12,7 @@ Run: python benchmarks/generation/bench_decode.py   (GPU only; BENCH_BATCHES=8,6
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -23,7 +24,9 @@ from common import llama_1b_config, save, table, world_and_backend  # noqa: E402
 MAX_NEW = int(os.environ.get("BENCH_MAX_NEW", 128))
 BATCHES = [int(b) for b in os.environ.get("BENCH_BATCHES", "8,64").split(",")]
 PROMPT = 64
-CONFIGS = ("layerwise", "hf_eager_gathered", "hf_static_gathered", "hf_zero3_compiled")
+PARTIAL = os.path.join(os.environ.get("OUT", HERE), "decode_partial.jsonl")
+# the slow per-layer baseline last, so that a run cut short still has the main comparison
+CONFIGS = ("hf_eager_gathered", "hf_static_gathered", "hf_zero3_compiled", "layerwise")
 
 
 def rank_main():
@@ -88,8 +91,10 @@ def rank_main():
                              useful_tokens=int(tot[0].item()), compile_s=max(0.0, times[0] - times[1]),
                              decode=getattr(stats, "decode", None) if name.startswith("hf_zero3") else None,
                              weight_bytes=n_bytes))
-            if rank == 0:
+            if rank == 0:  # as it is measured: a run cut short keeps its rows
                 print("measured", rows[-1], flush=True)
+                with open(PARTIAL, "a") as f:
+                    f.write(json.dumps(rows[-1]) + "\n")
     return rows
 
 
@@ -100,7 +105,10 @@ def main():
     if backend != "nccl":
         print("bench_decode needs CUDA GPUs; skipped")
         return
-    rows = run_ranks(rank_main, world, backend=backend, init="deepspeed", timeout=590, pg_timeout=120)[0]
+    if os.path.exists(PARTIAL):
+        os.remove(PARTIAL)
+    rows = run_ranks(rank_main, world, backend=backend, init="deepspeed", timeout=590, pg_timeout=120,
+                     capture=False)[0]
     bw = float(os.environ.get("BENCH_HBM_TBPS", 4.3)) * 1e12
     for r in rows:
         r["tokens_per_s"] = r["useful_tokens"] / r["seconds"] / world  # per rank

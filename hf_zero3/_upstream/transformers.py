@@ -100,3 +100,34 @@ def set_hf_deepspeed_config_ref(ref) -> None:
     from transformers.integrations import deepspeed as hf_ds
 
     hf_ds._hf_deepspeed_config_weak_ref = ref
+
+
+# -- transformers: gradient_checkpointing_disable leaves the input-require-grads hook ----------------
+# ``activation_checkpointing_enable`` registers a forward hook on the input embeddings of every LM
+# (``enable_input_require_grads``); ``activation_checkpointing_disable`` removes it only for models
+# with a transformers-integrated PEFT adapter (checked in 5.17 and 5.23; no upstream issue found).
+# TRL disables and re-enables checkpointing around every rollout and every no-grad log-prob pass,
+# so hooks pile up, two a step; the hook count is a torch.compile guard, so a compiled training
+# step recompiles every step (under DeepCompile until the recompile limit, then runs eagerly).
+def input_grad_hooks(model) -> list:
+    """The input-require-grads hook handles transformers registered on ``model``'s sub-models."""
+    return [h for m in model.modules() for h in (m.__dict__.get("_require_grads_hooks") or ())]
+
+
+def replace_input_grad_hooks_on_enable():
+    """Make ``PreTrainedModel.enable_input_require_grads`` remove the hooks its previous call on the
+    same model registered before registering new ones; returns the undo."""
+    import functools
+
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel.__dict__["enable_input_require_grads"]
+
+    @functools.wraps(original)
+    def enable_input_require_grads(self):
+        for handle in self.__dict__.get("_require_grads_hooks") or ():
+            handle.remove()
+        return original(self)
+
+    PreTrainedModel.enable_input_require_grads = enable_input_require_grads
+    return lambda: setattr(PreTrainedModel, "enable_input_require_grads", original)

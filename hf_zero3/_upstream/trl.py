@@ -12,6 +12,8 @@ from __future__ import annotations
 CHECKED = "trl 1.16.0"
 
 TOOL_LOOP = "_tool_call_loop"
+#: GRPO/RLOO's instance copy of ``args.pad_to_multiple_of`` (prompts and completions are padded with it)
+PAD_TO_MULTIPLE_OF = "pad_to_multiple_of"
 SINGLE_TURN = "_generate_single_turn"
 GENERATE_COMPLETIONS = ("trl.trainer.callbacks", "_generate_completions")
 #: re-registers DeepSpeed's eager ZeRO-3 hooks after each gathered generation

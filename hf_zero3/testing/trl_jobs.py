@@ -253,6 +253,19 @@ class DivergentDraws(TrainerCallback):
         self.first_draw = random.Random(seed).random()
 
 
+class EmbeddingHookCount(TrainerCallback):
+    """The forward hooks on the policy's input embeddings after each step (``counts``): constant
+    unless something registers one per rollout."""
+
+    def __init__(self):
+        self.counts: list[int] = []
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        from accelerate.utils import extract_model_from_parallel
+
+        self.counts.append(len(extract_model_from_parallel(model).get_input_embeddings()._forward_hooks))
+
+
 def gkd_trainer(tmpdir: str, *, lmbda: float = 0.5, divergent_draws: bool = True,
                 diverge_eos: bool = False, callbacks=()):
     """``trl.experimental.gkd.GKDTrainer`` with a tiny teacher (8 new tokens, 2 steps).

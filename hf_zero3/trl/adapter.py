@@ -18,15 +18,25 @@ Under DeepCompile (DeepSpeed config ``compile.deepcompile`` and ``torch_compile=
 LM head on the policy model is replaced by a logits-based one that DeepCompile can compile with the
 backbone (:mod:`hf_zero3.trl.fused_head`).
 
-Two TRL behaviours are patched process-wide (undone by ``hf_zero3.unpatch()``):
+Three behaviours are patched process-wide (undone by ``hf_zero3.unpatch()``):
 
 * after a gathered generation TRL's ``add_hooks`` re-registers DeepSpeed's eager ZeRO-3 hooks on
   the engine, which DeepCompile had removed; the compiled training graph then meets parameters the
   eager hooks hold ("Cannot free a ZeRO-3 parameter while it is still active in submodules"). On
   an engine whose DeepCompile is active the re-registration is skipped;
-* generation inside ``evaluate`` (GRPO and the distillation trainers generate for each eval
-  batch) would gather the whole model while ``Zero3Safe``'s eval region still holds it ("Nested
-  GatheredParameters contexts cannot overlap parameters"); the region is released first.
+* TRL's gathering context for generation: inside ``evaluate`` (GRPO and the distillation trainers
+  generate for each eval batch) it would gather the whole model while ``Zero3Safe``'s eval region
+  still holds it ("Nested GatheredParameters contexts cannot overlap parameters"), so the region is
+  released first;
+* transformers' ``enable_input_require_grads`` replaces the hooks of its previous call instead of
+  adding more: TRL disables and re-enables checkpointing around each rollout and log-prob pass, and
+  transformers' disable leaves the hook, so hooks piled up two a step and a compiled training step
+  recompiled every step (:mod:`hf_zero3._upstream.transformers`).
+
+Under DeepCompile a GRPO trainer left at ``pad_to_multiple_of=None`` pads prompts and completions
+to a multiple of :data:`DEEPCOMPILE_PAD_TO_MULTIPLE_OF` (TRL does the same on Neuron): accelerate
+compiles with static shapes, and each new sequence length would be a new DeepCompile graph (a
+profile and a compile, up to Dynamo's recompile limit).
 
 Generation itself goes through lockstep generation (installed by ``Zero3Safe``): when TRL already
 holds the whole model gathered, the call uses it as it is (no second gather) and still stops with
@@ -41,15 +51,18 @@ import random
 
 from .. import zero3
 from .._upstream import patches
+from .._upstream import transformers as hf_up
 from .._upstream import trl as trl_up
 from .._upstream.versions import require
 from ..gathering import close_eval_region
 from ..runtime import runtime_of
 
-__all__ = ["apply"]
+__all__ = ["apply", "DEEPCOMPILE_PAD_TO_MULTIPLE_OF"]
 
 log = logging.getLogger("hf_zero3.trl")
 _DRAW_SCALE = 2**53
+#: Under DeepCompile, the padding multiple for a TRL trainer left at ``pad_to_multiple_of=None``.
+DEEPCOMPILE_PAD_TO_MULTIPLE_OF = 64
 
 
 def apply(trainer, zero3safe=None):
@@ -79,6 +92,8 @@ def apply(trainer, zero3safe=None):
                     lambda: trl_up.wrap_module_function(trl_up.ADD_HOOKS, _skip_on_deepcompile))
     patches.install("trl.models.utils._unwrap_model_for_generation: release the eval region first",
                     lambda: trl_up.wrap_module_function(trl_up.UNWRAP_FOR_GENERATION, _release_eval_region))
+    patches.install("transformers.PreTrainedModel.enable_input_require_grads: replace, not add",
+                    hf_up.replace_input_grad_hooks_on_enable)
     trainer._hf_zero3_trl_adapted = True  # Zero3Safe.on_train_begin calls before_training
     if _deepcompile_training(trainer):
         before_training(trainer)  # apply() after construction; else TRL adds its head later in __init__
@@ -105,6 +120,11 @@ def before_training(trainer) -> bool:
         return False
     from .fused_head import replace_fused_head
 
+    if getattr(trainer, trl_up.PAD_TO_MULTIPLE_OF, False) is None:
+        setattr(trainer, trl_up.PAD_TO_MULTIPLE_OF, DEEPCOMPILE_PAD_TO_MULTIPLE_OF)
+        log.info("hf_zero3.trl: DeepCompile compiles one graph per sequence length: %s pads prompts and completions "
+                 "to a multiple of %d (set pad_to_multiple_of in its config to choose)", type(trainer).__name__,
+                 DEEPCOMPILE_PAD_TO_MULTIPLE_OF)
     return replace_fused_head(trainer.model)
 
 
@@ -234,15 +254,15 @@ def _skip_on_deepcompile(add_hooks):
 
 
 def _release_eval_region(unwrap):
-    """TRL's gathering context for generation, after releasing an eval region that ``Zero3Safe``
-    holds open on the model (TRL's GRPO and distillation trainers generate inside ``evaluate``,
-    between eval forwards): DeepSpeed refuses a ``GatheredParameters`` over parameters another one
-    still holds. Local; the next eval forward gathers again, on every rank alike."""
+    """TRL's gathering context for generation (``_unwrap_model_for_generation``), after releasing
+    an eval region ``Zero3Safe`` holds open on the model: TRL's GRPO and distillation trainers
+    generate inside ``evaluate``, between eval forwards, and DeepSpeed refuses a
+    ``GatheredParameters`` over parameters another one still holds. Local; the next eval forward
+    gathers again, on every rank alike."""
 
     @functools.wraps(unwrap)
     def wrapped(model, accelerator, *args, **kwargs):
-        gather = kwargs.get("gather_deepspeed3_params", args[0] if args else True)
-        if gather:
+        if kwargs.get("gather_deepspeed3_params", args[0] if args else True):
             close_eval_region(model)
         return unwrap(model, accelerator, *args, **kwargs)
 

@@ -27,10 +27,12 @@ def _train(build, tmpdir, **kwargs):
     from hf_zero3.testing import trl_jobs
 
     mark(f"building {build.__name__} {kwargs}")
-    trainer = build(tmpdir, callbacks=[hf_zero3.Zero3Safe()], **kwargs)
+    hooks = trl_jobs.EmbeddingHookCount()
+    trainer = build(tmpdir, callbacks=[hf_zero3.Zero3Safe(), hooks], **kwargs)
     mark(f"training {build.__name__} {kwargs}")
     trainer.train()
     out = trl_jobs._result(trainer)
+    out["embedding_hooks"] = hooks.counts
     last = hf_zero3.runtime_of(trainer.model).last_generate
     out["gather"] = last.gather if last is not None else None
     out["trainer_model"] = type(trainer.model).__name__
@@ -100,6 +102,8 @@ def _check_common(r0, r1, budget):
     assert r0["forwards_per_call"] == r1["forwards_per_call"]
     assert sum(r0["forwards_per_call"]) == r0["decode_forwards"]
     assert all(1 <= f <= budget for f in r0["forwards_per_call"]), r0["forwards_per_call"]
+    # TRL's checkpointing disable/enable around each rollout leaves no hook behind (a compile guard)
+    assert len(r0["embedding_hooks"]) == STEPS and len(set(r0["embedding_hooks"])) == 1, r0["embedding_hooks"]
 
 
 def _log(result, key):
@@ -224,8 +228,8 @@ def test_control_gkd_divergent_draws_without_fix_hangs(tmp_path):
 
 
 def _grpo_eval_without_region_release(tmpdir):
-    """GRPO evaluating between steps with Zero3Safe, its release of the eval region before TRL's
-    gather for generation removed (the failure first seen on GPU under DeepCompile)."""
+    """GRPO evaluating between steps with Zero3Safe, its wrapper of TRL's gather for generation
+    removed (the failure first seen on GPU under DeepCompile)."""
     import hf_zero3
     from hf_zero3._upstream import patches
     from hf_zero3.testing import trl_jobs
@@ -234,6 +238,26 @@ def _grpo_eval_without_region_release(tmpdir):
     assert patches.remove("trl.models.utils._unwrap_model_for_generation: release the eval region first")
     mark("training")
     trainer.train()
+
+
+def _grpo_hooks_without_cleanup(tmpdir):
+    """GRPO (TRL's default checkpointing) with Zero3Safe, the stale-hook removal undone: the input
+    embeddings' forward hooks after each step."""
+    import hf_zero3
+    from hf_zero3.testing import trl_jobs
+    hooks = trl_jobs.EmbeddingHookCount()
+    trainer = trl_jobs.grpo_trainer(tmpdir, callbacks=[hf_zero3.Zero3Safe(), hooks])
+    from hf_zero3._upstream import patches
+
+    assert patches.remove("transformers.PreTrainedModel.enable_input_require_grads: replace, not add")
+    trainer.train()
+    return hooks.counts
+
+
+def test_control_grpo_without_hook_cleanup_leaks_a_hook_per_rollout(tmp_path):
+    counts = run_ranks(_grpo_hooks_without_cleanup, 2, args=(str(tmp_path),), init="deepspeed", timeout=120,
+                       pg_timeout=20)[0]
+    assert counts[1] >= counts[0] + 1, counts  # a rollout and a log-prob pass a step, a hook more each
 
 
 def test_control_grpo_eval_without_region_release_fails(tmp_path):

@@ -83,7 +83,7 @@ def test_a_softcapped_models_logits_are_not_transformed_twice():
     assert torch.allclose(a.log_probs, b.log_probs, atol=1e-5) and torch.allclose(a.entropy, b.entropy, atol=1e-5)
 
 
-def _grpo_head_rank(tmpdir: str, deepcompile: bool, torch_compile: bool, peft: bool):
+def _grpo_head_rank(tmpdir: str, deepcompile: bool, torch_compile: bool, peft: bool, user_pad=None):
     from trl import GRPOConfig, GRPOTrainer
 
     import hf_zero3
@@ -92,7 +92,7 @@ def _grpo_head_rank(tmpdir: str, deepcompile: bool, torch_compile: bool, peft: b
 
     ds = trainer_zero3_config(extra={"compile": {"deepcompile": True}} if deepcompile else None)
     args = trl_jobs._args(GRPOConfig, tmpdir, num_generations=2, max_completion_length=8,
-                          deepspeed=ds, torch_compile=torch_compile)
+                          deepspeed=ds, torch_compile=torch_compile, pad_to_multiple_of=user_pad)
     tok = trl_jobs.tiny_tokenizer()
     model = trl_jobs._model(tok)
     peft_config = None
@@ -109,22 +109,27 @@ def _grpo_head_rank(tmpdir: str, deepcompile: bool, torch_compile: bool, peft: b
             cb.on_train_begin(trainer.args, trainer.state, trainer.control, model=trainer.model)
     base = trainer.model.get_base_model() if peft else trainer.model
     fwd = base.__dict__.get("forward")
-    return dict(ours=bool(getattr(fwd, "_hf_zero3_logits_head", False)),
+    return dict(ours=bool(getattr(fwd, "_hf_zero3_logits_head", False)), pad=trainer.pad_to_multiple_of,
                 trls=getattr(getattr(getattr(fwd, "__func__", None), "__code__", None), "co_name", None) == "_fused_forward")
 
 
-@pytest.mark.parametrize("deepcompile,torch_compile,peft,expect", [
-    (True, True, False, True), (True, True, True, True),
-    (True, False, False, False),   # accelerate never compiles: TRL's head stays
-    (False, True, False, False),   # torch.compile without DeepCompile: TRL's head stays
+@pytest.mark.parametrize("deepcompile,torch_compile,peft,user_pad,expect", [
+    (True, True, False, None, True), (True, True, True, None, True),
+    (True, True, False, 16, True),       # the user's padding multiple is kept
+    (True, False, False, None, False),   # accelerate never compiles: TRL's head stays
+    (False, True, False, None, False),   # torch.compile without DeepCompile: TRL's head stays
 ])
 def test_zero3safe_replaces_the_head_only_for_deepcompile_training(tmp_path, deepcompile, torch_compile, peft,
-                                                                  expect):
+                                                                  user_pad, expect):
+    """Under DeepCompile training, also: sequences padded to a multiple (one graph per length bucket,
+    not per length) unless the user chose one."""
     from hf_zero3.testing import run_ranks
+    from hf_zero3.trl.adapter import DEEPCOMPILE_PAD_TO_MULTIPLE_OF
 
-    r = run_ranks(_grpo_head_rank, 1, args=(str(tmp_path), deepcompile, torch_compile, peft), init="deepspeed",
-                  timeout=180, pg_timeout=60)[0]
+    r = run_ranks(_grpo_head_rank, 1, args=(str(tmp_path), deepcompile, torch_compile, peft, user_pad),
+                  init="deepspeed", timeout=180, pg_timeout=60)[0]
     assert r["ours"] is expect and r["trls"] is (not expect), r
+    assert r["pad"] == (user_pad or (DEEPCOMPILE_PAD_TO_MULTIPLE_OF if expect else None)), r
 
 
 def _grpo_losses_rank(tmpdir: str):
