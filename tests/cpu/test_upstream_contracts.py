@@ -238,10 +238,48 @@ def test_trl_trainer_methods_and_draw():
     assert not trl_up.per_rank_draw_trainer(GRPOTrainer.__new__(GRPOTrainer))
 
 
+def test_trl_unwrap_signature_and_grpo_padding_attribute():
+    import importlib
+
+    from trl import GRPOTrainer
+
+    module = importlib.import_module(trl_up.UNWRAP_FOR_GENERATION[0])
+    params = list(inspect.signature(getattr(module, trl_up.UNWRAP_FOR_GENERATION[1])).parameters)
+    assert params[:3] == ["model", "accelerator", "gather_deepspeed3_params"]
+    assert f"self.{trl_up.PAD_TO_MULTIPLE_OF} = args.pad_to_multiple_of" in inspect.getsource(GRPOTrainer.__init__)
+
+
+def test_checkpointing_disable_leaves_the_input_grad_hook_and_the_shim_replaces_it():
+    """transformers' bug the shim works around (when this first assertion fails, transformers fixed
+    it and the shim can go), then the shim: enable, disable, enable keeps one hook."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2)
+    model = LlamaForCausalLM(cfg)
+    hooks = model.get_input_embeddings()._forward_hooks
+
+    def cycle():
+        model.gradient_checkpointing_enable()
+        model.gradient_checkpointing_disable()
+        model.gradient_checkpointing_enable()
+
+    cycle()
+    assert len(hooks) == 2
+    model.disable_input_require_grads()
+    hooks.clear()
+    undo = hf_up.replace_input_grad_hooks_on_enable()
+    try:
+        cycle()
+        assert len(hooks) == 1 and len(hf_up.input_grad_hooks(model)) == 1
+    finally:
+        undo()
+
+
 def test_trl_module_functions_wrap_and_restore():
     import importlib
 
-    for location in (trl_up.ADD_HOOKS, trl_up.GENERATE_COMPLETIONS):
+    for location in (trl_up.ADD_HOOKS, trl_up.GENERATE_COMPLETIONS, trl_up.UNWRAP_FOR_GENERATION):
         module = importlib.import_module(location[0])
         original = getattr(module, location[1])
         undo = trl_up.wrap_module_function(location, lambda fn: (lambda *a, **k: ("wrapped", fn)))
