@@ -33,10 +33,11 @@ Three behaviours are patched process-wide (undone by ``hf_zero3.unpatch()``):
   transformers' disable leaves the hook, so hooks piled up two a step and a compiled training step
   recompiled every step (:mod:`hf_zero3._upstream.transformers`).
 
-Under DeepCompile a GRPO trainer left at ``pad_to_multiple_of=None`` pads prompts and completions
-to a multiple of :data:`DEEPCOMPILE_PAD_TO_MULTIPLE_OF` (TRL does the same on Neuron): accelerate
-compiles with static shapes, and each new sequence length would be a new DeepCompile graph (a
-profile and a compile, up to Dynamo's recompile limit).
+Under DeepCompile a trainer with TRL's ``pad_to_multiple_of`` (GRPO, RLOO, DistillationTrainer)
+left at ``None`` pads prompts and completions to a multiple of
+:data:`DEEPCOMPILE_PAD_TO_MULTIPLE_OF` (TRL does the same on Neuron; ``pad_to_multiple_of=1``
+turns it off): on a GPU each new sequence length compiled a new static DeepCompile graph (a
+profile and a compile, ~30 s, up to Dynamo's recompile limit; ``TORCH_LOGS=recompiles``).
 
 Generation itself goes through lockstep generation (installed by ``Zero3Safe``): when TRL already
 holds the whole model gathered, the call uses it as it is (no second gather) and still stops with
@@ -123,7 +124,7 @@ def before_training(trainer) -> bool:
     if getattr(trainer, trl_up.PAD_TO_MULTIPLE_OF, False) is None:
         setattr(trainer, trl_up.PAD_TO_MULTIPLE_OF, DEEPCOMPILE_PAD_TO_MULTIPLE_OF)
         log.info("hf_zero3.trl: DeepCompile compiles one graph per sequence length: %s pads prompts and completions "
-                 "to a multiple of %d (set pad_to_multiple_of in its config to choose)", type(trainer).__name__,
+                 "to a multiple of %d (set pad_to_multiple_of in its config to choose; 1 = no padding)", type(trainer).__name__,
                  DEEPCOMPILE_PAD_TO_MULTIPLE_OF)
     return replace_fused_head(trainer.model)
 

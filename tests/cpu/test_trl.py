@@ -262,7 +262,7 @@ def test_control_grpo_without_hook_cleanup_leaks_a_hook_per_rollout(tmp_path):
 
 def test_control_grpo_eval_without_region_release_fails(tmp_path):
     with pytest.raises(DistributedFailure) as info:
-        run_ranks(_grpo_eval_without_region_release, 2, args=(str(tmp_path),), init="deepspeed", timeout=90,
+        run_ranks(_grpo_eval_without_region_release, 2, args=(str(tmp_path),), init="deepspeed", timeout=180,
                   pg_timeout=8)
     assert "Nested GatheredParameters" in str(info.value), str(info.value)
 
