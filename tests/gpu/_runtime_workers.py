@@ -52,9 +52,18 @@ def grpo_deepcompile(tmpdir: str, gradient_checkpointing: bool = True):
     from hf_zero3.testing.configs import trainer_zero3_config
     from hf_zero3.testing.trl_jobs import _prompts, length_reward, tiny_tokenizer
 
+    import logging
+
     tok = tiny_tokenizer()
     ds = trainer_zero3_config(extra={"compile": {"deepcompile": True}, "bf16": {"enabled": True}})
-    graphs = []
+    graphs, recompiles = [], []
+
+    class Recompiles(logging.Handler):  # Dynamo's reasons, for the failure message
+        def emit(self, record):
+            recompiles.append(record.getMessage()[:400])
+
+    torch._logging.set_logs(recompiles=True)
+    logging.getLogger("torch._dynamo.guards.__recompiles").addHandler(Recompiles())
 
     class Graphs(TrainerCallback):
         def on_step_end(self, *args, **kwargs):
@@ -78,6 +87,6 @@ def grpo_deepcompile(tmpdir: str, gradient_checkpointing: bool = True):
     rt = hf_zero3.runtime_of(trainer.model_wrapped)
     return dict(losses=[h["loss"] for h in logs if "loss" in h], evals=[h for h in logs if "eval_loss" in h
                                                                        or "eval_reward" in h],
-                graphs=graphs, deepcompile=rt.deepcompile_active(),
+                graphs=graphs, recompiles=recompiles[:8], deepcompile=rt.deepcompile_active(),
                 plan=rt.memory_plan.summary() if rt.memory_plan else None,
                 gather=rt.last_generate.gather if rt.last_generate else None)
