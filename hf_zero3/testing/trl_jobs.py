@@ -302,18 +302,21 @@ def gold_trainer(tmpdir: str, *, lmbda: float = 1.0, diverge_eos: bool = False, 
 
 
 def distillation_trainer(tmpdir: str, *, gather: bool = True, tools: bool = False,
-                         diverge_eos: bool = False, callbacks=()):
+                         diverge_eos: bool = False, evaluate: bool = False, callbacks=()):
     """``trl.DistillationTrainer`` (fully on-policy) with a tiny teacher; options as in
     :func:`grpo_trainer`."""
     from trl import DistillationConfig, DistillationTrainer
 
+    # 4 eval prompts, batch 1: 2 eval batches a rank, the second generating inside the first's region
+    evals = dict(eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=1) if evaluate else {}
     args = _args(DistillationConfig, tmpdir, max_completion_length=80 if tools else 16,
-                 ds3_gather_for_generation=gather)
+                 ds3_gather_for_generation=gather, **evals)
     tok = tiny_tokenizer()
     model = _model(tok, script="tool" if tools else "eos" if diverge_eos else None)
     teacher = _model(tok, teacher=True, seed=1)
     return DistillationTrainer(model=model, teacher_model=teacher, args=args,
-                               train_dataset=_prompts(), processing_class=tok,
+                               train_dataset=_prompts(), eval_dataset=_prompts(4) if evaluate else None,
+                               processing_class=tok,
                                tools=[ping] if tools else None, callbacks=list(callbacks))
 
 

@@ -58,6 +58,7 @@ DISTILL_CASES = {
     "gold_eos": ("gold_trainer", dict(diverge_eos=True)),
     "distill_eos": ("distillation_trainer", dict(diverge_eos=True)),
     "distill_tools": ("distillation_trainer", dict(tools=True)),
+    "distill_eval": ("distillation_trainer", dict(evaluate=True)),
 }
 
 
@@ -85,7 +86,7 @@ def grpo_results(tmp_path_factory):
 @pytest.fixture(scope="module")
 def distill_results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("distill")
-    return run_ranks(_distill_cases, 2, args=(str(tmp),), init="deepspeed", timeout=240,
+    return run_ranks(_distill_cases, 2, args=(str(tmp),), init="deepspeed", timeout=300,
                      pg_timeout=20)
 
 
@@ -187,6 +188,14 @@ def test_distillation_divergent_eos(distill_results):
     r0, r1 = _both(distill_results, "distill_eos")
     _check_common(r0, r1, DISTILL_LEN)
     assert r0["forwards_per_call"] == [DISTILL_LEN] * STEPS
+
+
+def test_distillation_evaluates_between_steps(distill_results):
+    """DistillationTrainer generates for each eval batch too (same eval-region release as GRPO)."""
+    r0, r1 = _both(distill_results, "distill_eval")
+    _check_common(r0, r1, DISTILL_LEN)
+    assert _log(r0, "eval_loss") == _log(r1, "eval_loss") and len(_log(r0, "eval_loss")) == STEPS
+    assert r0["generate_calls"] == STEPS * (1 + 2)
 
 
 def test_distillation_tool_round_of_one_rank_is_joined(distill_results):
