@@ -109,9 +109,19 @@ def set_hf_deepspeed_config_ref(ref) -> None:
 # TRL disables and re-enables checkpointing around every rollout and every no-grad log-prob pass,
 # so hooks pile up, two a step; the hook count is a torch.compile guard, so a compiled training
 # step recompiles every step (under DeepCompile until the recompile limit, then runs eagerly).
+def _own_input_grad_hooks(module) -> list:
+    """The handles ``module.enable_input_require_grads()`` registered: a list since transformers
+    added multi-embedding models (``_require_grads_hooks``), one handle before (``_require_grads_hook``)."""
+    hooks = module.__dict__.get("_require_grads_hooks")
+    if hooks is None:
+        single = module.__dict__.get("_require_grads_hook")
+        hooks = [single] if single is not None else []
+    return list(hooks)
+
+
 def input_grad_hooks(model) -> list:
     """The input-require-grads hook handles transformers registered on ``model``'s sub-models."""
-    return [h for m in model.modules() for h in (m.__dict__.get("_require_grads_hooks") or ())]
+    return [h for m in model.modules() for h in _own_input_grad_hooks(m)]
 
 
 def replace_input_grad_hooks_on_enable():
@@ -125,7 +135,7 @@ def replace_input_grad_hooks_on_enable():
 
     @functools.wraps(original)
     def enable_input_require_grads(self):
-        for handle in self.__dict__.get("_require_grads_hooks") or ():
+        for handle in _own_input_grad_hooks(self):
             handle.remove()
         return original(self)
 
