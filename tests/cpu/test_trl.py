@@ -269,6 +269,50 @@ def test_control_grpo_without_hook_cleanup_leaks_a_hook_per_rollout(tmp_path):
     assert counts[1] >= counts[0] + 1, counts  # a rollout and a log-prob pass a step, a hook more each
 
 
+def _compiled_grpo_graphs(tmpdir, shim: bool):
+    """GRPO with torch_compile=True (Dynamo, eager backend: the guards without inductor's compile
+    time) under ZeRO-3 and Zero3Safe, padded to 64 as under DeepCompile: Dynamo's unique graphs after
+    each of 4 steps. ``shim=False`` removes the input-grad hook shim."""
+    import torch._dynamo.utils as dyn
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    import hf_zero3
+    from hf_zero3._upstream import patches
+    from hf_zero3.testing import trl_jobs
+
+    graphs = []
+
+    class Graphs(TrainerCallback):
+        def on_step_end(self, *args, **kwargs):
+            graphs.append(dyn.counters["stats"]["unique_graphs"])
+
+    args = trl_jobs._args(GRPOConfig, tmpdir, num_generations=2, max_completion_length=GRPO_LEN, max_steps=4,
+                          torch_compile=True, torch_compile_backend="eager", pad_to_multiple_of=64)
+    tok = trl_jobs.tiny_tokenizer()
+    trainer = GRPOTrainer(model=trl_jobs._model(tok), reward_funcs=trl_jobs.length_reward, args=args,
+                          train_dataset=trl_jobs._prompts(), processing_class=tok,
+                          callbacks=[hf_zero3.Zero3Safe(), Graphs()])
+    if not shim:
+        assert patches.remove("transformers.PreTrainedModel.enable_input_require_grads: replace, not add")
+    mark(f"training compiled GRPO (shim={shim})")
+    trainer.train()
+    return graphs
+
+
+@pytest.mark.parametrize("shim", [True, False])
+def test_compiled_grpo_step_compiles_once(tmp_path, shim):
+    """With the shim a compiled GRPO step compiles at step 1 and never again; without it (control)
+    each rollout's leftover hook fails a Dynamo guard and the step recompiles."""
+    g0, g1 = run_ranks(_compiled_grpo_graphs, 2, args=(str(tmp_path), shim), init="deepspeed", timeout=240,
+                       pg_timeout=60)
+    assert g0 == g1 and len(g0) == 4 and g0[0] > 0
+    if shim:
+        assert len(set(g0)) == 1, g0
+    else:
+        assert g0[-1] > g0[0], g0
+
+
 def test_control_grpo_eval_without_region_release_fails(tmp_path):
     with pytest.raises(DistributedFailure) as info:
         run_ranks(_grpo_eval_without_region_release, 2, args=(str(tmp_path),), init="deepspeed", timeout=180,
