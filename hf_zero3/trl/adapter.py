@@ -63,7 +63,7 @@ __all__ = ["apply", "DEEPCOMPILE_PAD_TO_MULTIPLE_OF"]
 log = logging.getLogger("hf_zero3.trl")
 _DRAW_SCALE = 2**53
 #: Under DeepCompile, the padding multiple for a TRL trainer left at ``pad_to_multiple_of=None``.
-DEEPCOMPILE_PAD_TO_MULTIPLE_OF = 64
+DEEPCOMPILE_PAD_TO_MULTIPLE_OF = 128  # TRL's own choice on Neuron: fewer shapes than 64 (prompt x completion buckets)
 
 
 def apply(trainer, zero3safe=None):

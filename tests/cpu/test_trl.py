@@ -271,7 +271,7 @@ def test_control_grpo_without_hook_cleanup_leaks_a_hook_per_rollout(tmp_path):
 
 def _compiled_grpo_graphs(tmpdir, shim: bool):
     """GRPO with torch_compile=True (Dynamo, eager backend: the guards without inductor's compile
-    time) under ZeRO-3 and Zero3Safe, padded to 64 as under DeepCompile: Dynamo's unique graphs after
+    time) under ZeRO-3 and Zero3Safe, padded as under DeepCompile: Dynamo's unique graphs after
     each of 4 steps. ``shim=False`` removes the input-grad hook shim."""
     import torch._dynamo.utils as dyn
     from transformers import TrainerCallback
@@ -280,6 +280,7 @@ def _compiled_grpo_graphs(tmpdir, shim: bool):
     import hf_zero3
     from hf_zero3._upstream import patches
     from hf_zero3.testing import trl_jobs
+    from hf_zero3.trl.adapter import DEEPCOMPILE_PAD_TO_MULTIPLE_OF
 
     graphs = []
 
@@ -288,7 +289,8 @@ def _compiled_grpo_graphs(tmpdir, shim: bool):
             graphs.append(dyn.counters["stats"]["unique_graphs"])
 
     args = trl_jobs._args(GRPOConfig, tmpdir, num_generations=2, max_completion_length=GRPO_LEN, max_steps=4,
-                          torch_compile=True, torch_compile_backend="eager", pad_to_multiple_of=64)
+                          torch_compile=True, torch_compile_backend="eager",
+                          pad_to_multiple_of=DEEPCOMPILE_PAD_TO_MULTIPLE_OF)
     tok = trl_jobs.tiny_tokenizer()
     trainer = GRPOTrainer(model=trl_jobs._model(tok), reward_funcs=trl_jobs.length_reward, args=args,
                           train_dataset=trl_jobs._prompts(), processing_class=tok,
