@@ -12,6 +12,11 @@ from __future__ import annotations
 CHECKED = "trl 1.16.0"
 
 TOOL_LOOP = "_tool_call_loop"
+#: GRPO / RLOO / DistillationTrainer: generation, then the padding of its results into tensors
+GENERATE = "_generate"
+SCORE_COMPLETIONS = "_generate_and_score_completions"
+#: trainer modules that import ``trl.trainer.utils.pad`` by name (looked up as a module global)
+PAD_USERS = ("trl.trainer.grpo_trainer", "trl.trainer.rloo_trainer", "trl.trainer.distillation_trainer")
 #: GRPO/RLOO's instance copy of ``args.pad_to_multiple_of`` (prompts and completions are padded with it)
 PAD_TO_MULTIPLE_OF = "pad_to_multiple_of"
 SINGLE_TURN = "_generate_single_turn"

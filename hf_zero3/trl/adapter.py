@@ -37,7 +37,10 @@ Under DeepCompile a trainer with TRL's ``pad_to_multiple_of`` (GRPO, RLOO, Disti
 left at ``None`` pads prompts and completions to a multiple of
 :data:`DEEPCOMPILE_PAD_TO_MULTIPLE_OF` (TRL does the same on Neuron; ``pad_to_multiple_of=1``
 turns it off): on a GPU each new sequence length compiled a new static DeepCompile graph (a
-profile and a compile, ~30 s, up to Dynamo's recompile limit; ``TORCH_LOGS=recompiles``).
+profile and a compile, ~30 s, up to Dynamo's recompile limit; ``TORCH_LOGS=recompiles``). And the
+tensors it pads after generation take the gather group's longest length (:func:`align_lengths`):
+DeepCompile profiles a new graph with collectives, so ranks meeting new shapes at different steps
+would hang (DeepSpeed issue #7611).
 
 Generation itself goes through lockstep generation (installed by ``Zero3Safe``): when TRL already
 holds the whole model gathered, the call uses it as it is (no second gather) and still stops with
@@ -46,6 +49,7 @@ the group's agreed early stop. A failure inside a round is shared with every ran
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 import random
@@ -62,6 +66,8 @@ __all__ = ["apply", "DEEPCOMPILE_PAD_TO_MULTIPLE_OF"]
 
 log = logging.getLogger("hf_zero3.trl")
 _DRAW_SCALE = 2**53
+#: The runtime whose group agrees padded lengths while a trainer turns its completions into tensors.
+_ALIGNING = contextvars.ContextVar("hf_zero3_trl_aligning", default=None)
 #: Under DeepCompile, the padding multiple for a TRL trainer left at ``pad_to_multiple_of=None``.
 DEEPCOMPILE_PAD_TO_MULTIPLE_OF = 128  # TRL's own choice on Neuron: fewer shapes than 64 (prompt x completion buckets)
 
@@ -121,12 +127,74 @@ def before_training(trainer) -> bool:
         return False
     from .fused_head import replace_fused_head
 
+    align_lengths(trainer)
     if getattr(trainer, trl_up.PAD_TO_MULTIPLE_OF, False) is None:
         setattr(trainer, trl_up.PAD_TO_MULTIPLE_OF, DEEPCOMPILE_PAD_TO_MULTIPLE_OF)
         log.info("hf_zero3.trl: DeepCompile compiles one graph per sequence length: %s pads prompts and completions "
                  "to a multiple of %d (set pad_to_multiple_of in its config to choose; 1 = no padding)", type(trainer).__name__,
                  DEEPCOMPILE_PAD_TO_MULTIPLE_OF)
     return replace_fused_head(trainer.model)
+
+
+def align_lengths(trainer) -> bool:
+    """Pad what ``trainer`` turns its completions into (prompt and completion ids, masks) to the
+    longest of the gather group, not of this rank: DeepCompile profiles each new graph with
+    collectives, so ranks that meet a new sequence length at different steps hang (DeepSpeed issue
+    #7611); with equal lengths every rank compiles the same graphs at the same step. One host
+    agreement per padded tensor (4-6 a step). Installed under DeepCompile training; local until the
+    first step. Returns False for a trainer without TRL's generate-then-pad steps."""
+    score, generate = getattr(trainer, trl_up.SCORE_COMPLETIONS, None), getattr(trainer, trl_up.GENERATE, None)
+    if score is None or generate is None:
+        return False
+    if getattr(score, "_hf_zero3", False):
+        return True
+
+    @functools.wraps(score)
+    def scored(*args, **kwargs):
+        token = _ALIGNING.set(_runtime(trainer) if _is_zero3(trainer) else None)
+        try:
+            return score(*args, **kwargs)
+        finally:
+            _ALIGNING.reset(token)
+
+    @functools.wraps(generate)
+    def generating(*args, **kwargs):  # generation pads its prompts for itself: left alone
+        token = _ALIGNING.set(None)
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            _ALIGNING.reset(token)
+
+    scored._hf_zero3 = True
+    setattr(trainer, trl_up.SCORE_COMPLETIONS, scored)
+    setattr(trainer, trl_up.GENERATE, generating)
+    for module in trl_up.PAD_USERS:
+        patches.install(f"{module}.pad: the group's length while aligning",
+                        functools.partial(trl_up.wrap_module_function, (module, "pad"), _padded_to_group))
+    return True
+
+
+def _padded_to_group(pad):
+    """TRL's ``pad``, then, inside an aligning trainer's scoring step, extended (on the padding side,
+    with the padding value) to the longest length over the group."""
+
+    @functools.wraps(pad)
+    def wrapped(tensors, padding_value=0, padding_side="right", pad_to_multiple_of=None):
+        out = pad(tensors, padding_value, padding_side, pad_to_multiple_of)
+        rt = _ALIGNING.get()
+        if rt is None or out.dim() < 2:
+            return out
+        (longest,) = rt.agree("trl.pad_length", [out.shape[1]])
+        if longest == out.shape[1]:
+            return out
+        grown = out.new_full((out.shape[0], longest, *out.shape[2:]), padding_value)
+        if padding_side == "left":
+            grown[:, longest - out.shape[1]:] = out
+        else:
+            grown[:, :out.shape[1]] = out
+        return grown
+
+    return wrapped
 
 
 def _deepcompile_training(trainer) -> bool:

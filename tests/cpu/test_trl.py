@@ -315,6 +315,50 @@ def test_compiled_grpo_step_compiles_once(tmp_path, shim):
         assert g0[-1] > g0[0], g0
 
 
+def _grpo_training_lengths(tmpdir, align: bool):
+    """GRPO with rank 0's rows ending at their 2nd token (rank 1's run the budget): the sequence
+    length of every training forward, with or without the group-length padding installed under
+    DeepCompile (installed here by hand: DeepCompile needs CUDA)."""
+    import hf_zero3
+    from hf_zero3.testing import trl_jobs
+    from hf_zero3.trl import adapter
+
+    trainer = trl_jobs.grpo_trainer(tmpdir, diverge_eos=True, callbacks=[hf_zero3.Zero3Safe()])
+    if align:
+        assert adapter.align_lengths(trainer)
+    lengths = []
+
+    def record(module, args, kwargs):
+        if module.training and torch.is_grad_enabled():
+            lengths.append(kwargs["input_ids"].shape[1])
+
+    trainer.model.register_forward_pre_hook(record, with_kwargs=True)
+    mark(f"training (align={align})")
+    trainer.train()
+    out = trl_jobs._result(trainer)
+    out["lengths"] = lengths
+    return out
+
+
+def _grpo_training_lengths_both(tmpdir):
+    return {align: _grpo_training_lengths(f"{tmpdir}/{align}", align) for align in (False, True)}
+
+
+def test_deepcompile_padding_gives_every_rank_the_same_shapes(tmp_path):
+    """DeepCompile profiles a new graph with collectives (DeepSpeed #7611: ranks meeting new shapes
+    at different steps hang): under it the padded tensors take the group's length, so every rank's
+    training forward has the same shape, and the losses are those of TRL's own padding. Control (the
+    same job without it): the shapes differ per rank."""
+    r0, r1 = run_ranks(_grpo_training_lengths_both, 2, args=(str(tmp_path),), init="deepspeed", timeout=240,
+                       pg_timeout=20)
+    aligned, control = (r0[True], r1[True]), (r0[False], r1[False])
+    assert len(aligned[0]["lengths"]) == len(aligned[1]["lengths"]) == STEPS
+    assert aligned[0]["lengths"] == aligned[1]["lengths"], [r["lengths"] for r in aligned]
+    assert all(a < b for a, b in zip(control[0]["lengths"], control[1]["lengths"])), [r["lengths"] for r in control]
+    assert aligned[0]["losses"] == aligned[1]["losses"]
+    assert aligned[0]["losses"] == pytest.approx(control[0]["losses"], rel=1e-4, abs=1e-6)
+
+
 def test_control_grpo_eval_without_region_release_fails(tmp_path):
     with pytest.raises(DistributedFailure) as info:
         run_ranks(_grpo_eval_without_region_release, 2, args=(str(tmp_path),), init="deepspeed", timeout=180,
