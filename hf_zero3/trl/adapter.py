@@ -146,6 +146,9 @@ def align_lengths(trainer) -> bool:
     score, generate = getattr(trainer, trl_up.SCORE_COMPLETIONS, None), getattr(trainer, trl_up.GENERATE, None)
     if score is None or generate is None:
         return False
+    for module in trl_up.PAD_USERS:  # again after an unpatch(): the instance wrappers outlive it
+        patches.install(f"{module}.pad: the group's length while aligning",
+                        functools.partial(trl_up.wrap_module_function, (module, "pad"), _padded_to_group))
     if getattr(score, "_hf_zero3", False):
         return True
 
@@ -168,9 +171,6 @@ def align_lengths(trainer) -> bool:
     scored._hf_zero3 = True
     setattr(trainer, trl_up.SCORE_COMPLETIONS, scored)
     setattr(trainer, trl_up.GENERATE, generating)
-    for module in trl_up.PAD_USERS:
-        patches.install(f"{module}.pad: the group's length while aligning",
-                        functools.partial(trl_up.wrap_module_function, (module, "pad"), _padded_to_group))
     return True
 
 
@@ -184,7 +184,7 @@ def _padded_to_group(pad):
         rt = _ALIGNING.get()
         if rt is None or out.dim() < 2:
             return out
-        (longest,) = rt.agree("trl.pad_length", [out.shape[1]])
+        (longest,) = rt.agree("trl.pad_length", [out.shape[1]], record=False, side=padding_side)
         if longest == out.shape[1]:
             return out
         grown = out.new_full((out.shape[0], longest, *out.shape[2:]), padding_value)

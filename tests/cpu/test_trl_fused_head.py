@@ -107,9 +107,18 @@ def _grpo_head_rank(tmpdir: str, deepcompile: bool, torch_compile: bool, peft: b
     for cb in trainer.callback_handler.callbacks:
         if isinstance(cb, hf_zero3.Zero3Safe):
             cb.on_train_begin(trainer.args, trainer.state, trainer.control, model=trainer.model)
+    from hf_zero3._upstream import patches
+    from hf_zero3.trl.adapter import before_training
+
+    pad_patch = "trl.trainer.grpo_trainer.pad: the group's length while aligning"
+    aligned = pad_patch in patches.installed()
+    hf_zero3.unpatch()
+    before_training(trainer)  # a second train() after an unpatch(): the alignment comes back
+    realigned = pad_patch in patches.installed()
     base = trainer.model.get_base_model() if peft else trainer.model
     fwd = base.__dict__.get("forward")
     return dict(ours=bool(getattr(fwd, "_hf_zero3_logits_head", False)), pad=trainer.pad_to_multiple_of,
+                aligned=(aligned, realigned),
                 trls=getattr(getattr(getattr(fwd, "__func__", None), "__code__", None), "co_name", None) == "_fused_forward")
 
 
@@ -130,6 +139,7 @@ def test_zero3safe_replaces_the_head_only_for_deepcompile_training(tmp_path, dee
                   init="deepspeed", timeout=180, pg_timeout=60)[0]
     assert r["ours"] is expect and r["trls"] is (not expect), r
     assert r["pad"] == (user_pad or (DEEPCOMPILE_PAD_TO_MULTIPLE_OF if expect else None)), r
+    assert r["aligned"] == (expect, expect), r  # group-length padding under DeepCompile only
 
 
 def _grpo_losses_rank(tmpdir: str):
