@@ -231,6 +231,21 @@ def grpo_trainer(tmpdir: str, *, gather: bool = True, tools: bool = False,
                        peft_config=peft_config)
 
 
+def rloo_trainer(tmpdir: str, *, diverge_eos: bool = False, evaluate: bool = False, callbacks=()):
+    """``trl.RLOOTrainer`` (2 prompts x 2 generations per step, 16 new tokens), ``beta=0`` (TRL's
+    0.05 would load a reference model by name, which a model built in code has not); options as in
+    :func:`grpo_trainer`."""
+    from trl import RLOOConfig, RLOOTrainer
+
+    evals = dict(eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=2) if evaluate else {}
+    args = _args(RLOOConfig, tmpdir, num_generations=2, max_completion_length=16, beta=0.0, **evals)
+    tok = tiny_tokenizer()
+    model = _model(tok, script="eos" if diverge_eos else None)
+    return RLOOTrainer(model=model, reward_funcs=length_reward, args=args, train_dataset=_prompts(),
+                       eval_dataset=_prompts(4) if evaluate else None, processing_class=tok,
+                       callbacks=list(callbacks))
+
+
 class DivergentDraws(TrainerCallback):
     """A callback that seeds Python's ``random`` per rank before the first step, so that
     the first ``random.random() <= lmbda`` is true on rank 0 and false on every other rank."""

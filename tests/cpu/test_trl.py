@@ -59,6 +59,7 @@ DISTILL_CASES = {
     "distill_eos": ("distillation_trainer", dict(diverge_eos=True)),
     "distill_tools": ("distillation_trainer", dict(tools=True)),
     "distill_eval": ("distillation_trainer", dict(evaluate=True)),
+    "rloo_eos_eval": ("rloo_trainer", dict(diverge_eos=True, evaluate=True)),
 }
 
 
@@ -196,6 +197,13 @@ def test_distillation_evaluates_between_steps(distill_results):
     _check_common(r0, r1, DISTILL_LEN)
     assert _log(r0, "eval_loss") == _log(r1, "eval_loss") and len(_log(r0, "eval_loss")) == STEPS
     assert r0["generate_calls"] == STEPS * (1 + 2)
+
+
+def test_rloo_divergent_eos_and_evaluation(distill_results):
+    r0, r1 = _both(distill_results, "rloo_eos_eval")
+    _check_common(r0, r1, GRPO_LEN)
+    assert r0["forwards_per_call"] == [GRPO_LEN] * (STEPS * 3)  # rank 1's rows run the budget
+    assert _log(r0, "eval_loss") == _log(r1, "eval_loss") and len(_log(r0, "eval_loss")) == STEPS
 
 
 def test_distillation_tool_round_of_one_rank_is_joined(distill_results):
