@@ -281,6 +281,19 @@ class EmbeddingHookCount(TrainerCallback):
         self.counts.append(len(extract_model_from_parallel(model).get_input_embeddings()._forward_hooks))
 
 
+class GraphCount(TrainerCallback):
+    """Dynamo's compiled graphs in this process after each step (``counts``): constant once a
+    compiled training step stops recompiling."""
+
+    def __init__(self):
+        self.counts: list[int] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        from .._upstream.torch import dynamo_graph_count
+
+        self.counts.append(dynamo_graph_count())
+
+
 def gkd_trainer(tmpdir: str, *, lmbda: float = 0.5, divergent_draws: bool = True,
                 diverge_eos: bool = False, callbacks=()):
     """``trl.experimental.gkd.GKDTrainer`` with a tiny teacher (8 new tokens, 2 steps).

@@ -281,8 +281,6 @@ def _compiled_grpo_graphs(tmpdir, shim: bool):
     """GRPO with torch_compile=True (Dynamo, eager backend: the guards without inductor's compile
     time) under ZeRO-3 and Zero3Safe, padded as under DeepCompile: Dynamo's unique graphs after
     each of 4 steps. ``shim=False`` removes the input-grad hook shim."""
-    import torch._dynamo.utils as dyn
-    from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     import hf_zero3
@@ -290,24 +288,19 @@ def _compiled_grpo_graphs(tmpdir, shim: bool):
     from hf_zero3.testing import trl_jobs
     from hf_zero3.trl.adapter import DEEPCOMPILE_PAD_TO_MULTIPLE_OF
 
-    graphs = []
-
-    class Graphs(TrainerCallback):
-        def on_step_end(self, *args, **kwargs):
-            graphs.append(dyn.counters["stats"]["unique_graphs"])
-
+    graphs = trl_jobs.GraphCount()
     args = trl_jobs._args(GRPOConfig, tmpdir, num_generations=2, max_completion_length=GRPO_LEN, max_steps=4,
                           torch_compile=True, torch_compile_backend="eager",
                           pad_to_multiple_of=DEEPCOMPILE_PAD_TO_MULTIPLE_OF)
     tok = trl_jobs.tiny_tokenizer()
     trainer = GRPOTrainer(model=trl_jobs._model(tok), reward_funcs=trl_jobs.length_reward, args=args,
                           train_dataset=trl_jobs._prompts(), processing_class=tok,
-                          callbacks=[hf_zero3.Zero3Safe(), Graphs()])
+                          callbacks=[hf_zero3.Zero3Safe(), graphs])
     if not shim:
         assert patches.remove("transformers.PreTrainedModel.enable_input_require_grads: replace, not add")
     mark(f"training compiled GRPO (shim={shim})")
     trainer.train()
-    return graphs
+    return graphs.counts
 
 
 @pytest.mark.parametrize("shim", [True, False])

@@ -112,7 +112,7 @@ def raw_eval_then_train():
 
 def protected_eval(eval_first: bool = True, gather: str = "auto"):
     """train 7 -> [eval under hf_zero3] -> train 4; logits vs an eager copy of the same weights."""
-    import torch._dynamo.utils as dyn
+    from hf_zero3._upstream.torch import dynamo_graph_count
 
     import hf_zero3
     from hf_zero3.testing import mark, models
@@ -121,7 +121,7 @@ def protected_eval(eval_first: bool = True, gather: str = "auto"):
     out = {}
     mark("train 7 steps")
     l1, t1 = train_steps(engine, 7)
-    graphs_before = dyn.counters["stats"]["unique_graphs"]
+    graphs_before = dynamo_graph_count()
     if eval_first:
         engine.eval()
         ids = eval_ids(engine)
@@ -151,7 +151,7 @@ def protected_eval(eval_first: bool = True, gather: str = "auto"):
         del ref
     mark("train 4 more steps")
     l2, t2 = train_steps(engine, 4, start=7)
-    out["graphs_added_after_eval"] = dyn.counters["stats"]["unique_graphs"] - graphs_before
+    out["graphs_added_after_eval"] = dynamo_graph_count() - graphs_before
     out["losses"] = l1 + l2
     out["step_s_before"] = sorted(t1[5:7])[0:2]
     out["step_s_after"] = sorted(t2[1:4])

@@ -44,19 +44,18 @@ def two_deepcompile_engines():
 def grpo_deepcompile(tmpdir: str, gradient_checkpointing: bool = True):
     """TRL GRPO whose policy engine runs DeepCompile (torch_compile=True, Zero3Safe): it trains,
     generates before every step and evaluates, and the training graphs are compiled once."""
-    import torch._dynamo.utils as dyn
-    from transformers import Qwen2Config, Qwen2ForCausalLM, TrainerCallback
+    from transformers import Qwen2Config, Qwen2ForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
     import hf_zero3
     from hf_zero3.testing.configs import trainer_zero3_config
-    from hf_zero3.testing.trl_jobs import _prompts, length_reward, tiny_tokenizer
+    from hf_zero3.testing.trl_jobs import GraphCount, _prompts, length_reward, tiny_tokenizer
 
     import logging
 
     tok = tiny_tokenizer()
     ds = trainer_zero3_config(extra={"compile": {"deepcompile": True}, "bf16": {"enabled": True}})
-    graphs, recompiles = [], []
+    graphs, recompiles = GraphCount(), []
 
     class Recompiles(logging.Handler):  # Dynamo's reasons, for the failure message
         def emit(self, record):
@@ -64,10 +63,6 @@ def grpo_deepcompile(tmpdir: str, gradient_checkpointing: bool = True):
 
     torch._logging.set_logs(recompiles=True)
     logging.getLogger("torch._dynamo.guards.__recompiles").addHandler(Recompiles())
-
-    class Graphs(TrainerCallback):
-        def on_step_end(self, *args, **kwargs):
-            graphs.append(dyn.counters["stats"]["unique_graphs"])
 
     args = GRPOConfig(output_dir=tmpdir, bf16=True, torch_compile=True, deepspeed=ds,
                       per_device_train_batch_size=4, per_device_eval_batch_size=4, num_generations=4,
@@ -81,12 +76,12 @@ def grpo_deepcompile(tmpdir: str, gradient_checkpointing: bool = True):
     model = Qwen2ForCausalLM._from_config(cfg, dtype=torch.bfloat16)
     trainer = GRPOTrainer(model=model, reward_funcs=length_reward, args=args, train_dataset=_prompts(),
                           eval_dataset=_prompts(4), processing_class=tok,
-                          callbacks=[hf_zero3.Zero3Safe(), Graphs()])
+                          callbacks=[hf_zero3.Zero3Safe(), graphs])
     trainer.train()
     logs = trainer.state.log_history
     rt = hf_zero3.runtime_of(trainer.model_wrapped)
     return dict(losses=[h["loss"] for h in logs if "loss" in h], evals=[h for h in logs if "eval_loss" in h
                                                                        or "eval_reward" in h],
-                graphs=graphs, recompiles=recompiles[:8], deepcompile=rt.deepcompile_active(),
+                graphs=graphs.counts, recompiles=recompiles[:8], deepcompile=rt.deepcompile_active(),
                 plan=rt.memory_plan.summary() if rt.memory_plan else None,
                 gather=rt.last_generate.gather if rt.last_generate else None)
