@@ -152,26 +152,26 @@ def align_lengths(trainer) -> bool:
     if getattr(score, "_hf_zero3", False):
         return True
 
-    @functools.wraps(score)
-    def scored(*args, **kwargs):
-        token = _ALIGNING.set(_runtime(trainer) if _is_zero3(trainer) else None)
-        try:
-            return score(*args, **kwargs)
-        finally:
-            _ALIGNING.reset(token)
-
-    @functools.wraps(generate)
-    def generating(*args, **kwargs):  # generation pads its prompts for itself: left alone
-        token = _ALIGNING.set(None)
-        try:
-            return generate(*args, **kwargs)
-        finally:
-            _ALIGNING.reset(token)
-
+    scored = _aligning_during(score, lambda: _runtime(trainer) if _is_zero3(trainer) else None)
     scored._hf_zero3 = True
     setattr(trainer, trl_up.SCORE_COMPLETIONS, scored)
-    setattr(trainer, trl_up.GENERATE, generating)
+    # generation pads its prompts for itself: left alone
+    setattr(trainer, trl_up.GENERATE, _aligning_during(generate, lambda: None))
     return True
+
+
+def _aligning_during(fn, runtime):
+    """``fn`` with :data:`_ALIGNING` set to ``runtime()`` while it runs (restored after)."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        token = _ALIGNING.set(runtime())
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _ALIGNING.reset(token)
+
+    return wrapped
 
 
 def _padded_to_group(pad):
