@@ -257,11 +257,12 @@ def _grpo_eval_without_region_release(tmpdir):
     trainer.train()
 
 
-def _grpo_hooks_without_cleanup(tmpdir):
-    """GRPO (TRL's default checkpointing) with Zero3Safe, the stale-hook removal undone: the input
-    embeddings' forward hooks after each step."""
+def _grpo_hooks_without_shim(tmpdir):
+    """GRPO (TRL's default checkpointing) with Zero3Safe, the input-grad hook shim removed: the
+    input embeddings' forward hooks after each step."""
     import hf_zero3
     from hf_zero3.testing import trl_jobs
+
     hooks = trl_jobs.EmbeddingHookCount()
     trainer = trl_jobs.grpo_trainer(tmpdir, callbacks=[hf_zero3.Zero3Safe(), hooks])
     from hf_zero3._upstream import patches
@@ -271,8 +272,8 @@ def _grpo_hooks_without_cleanup(tmpdir):
     return hooks.counts
 
 
-def test_control_grpo_without_hook_cleanup_leaks_a_hook_per_rollout(tmp_path):
-    counts = run_ranks(_grpo_hooks_without_cleanup, 2, args=(str(tmp_path),), init="deepspeed", timeout=120,
+def test_control_grpo_without_hook_shim_leaks_hooks_every_step(tmp_path):
+    counts = run_ranks(_grpo_hooks_without_shim, 2, args=(str(tmp_path),), init="deepspeed", timeout=120,
                        pg_timeout=20)[0]
     assert counts[1] >= counts[0] + 1, counts  # a rollout and a log-prob pass a step, a hook more each
 
