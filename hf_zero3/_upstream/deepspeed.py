@@ -298,6 +298,28 @@ def profile_fields(prof, bwd: bool) -> tuple[Any, list, list, list]:
     return prof.fwd_graph, prof.fwd_mem, prof.fwd_time, prof.fwd_tensor_sizes
 
 
+def patch_deepcompile_profile_in_allocator_units():
+    """Works around DeepCompile's profile counting other processes' memory (no upstream issue
+    found; deepspeed 0.19.8, ``deepspeed/compile/profilers/graph_profile.py``).
+
+    The profilers add ``_get_mem_usage_out_of_torch()`` (NVML's used memory minus this allocator's
+    reserve, read once per profiled graph: the CUDA context, NCCL, and every other process on the
+    card) to each node's reading. A plan made from it, then checked against memory read later,
+    depends on what the other processes held at the profiling instant: a job sharing the card
+    with one whose usage changed was refused as not fitting (benchmarks/RESULTS.md, session 7).
+    hf_zero3 plans in the caching allocator's own units (see :mod:`hf_zero3.compile.budget`), so
+    the profile adds 0. Module global, read by name inside that module; returns the undo."""
+    from deepspeed.compile.profilers import graph_profile
+
+    original = graph_profile._get_mem_usage_out_of_torch
+    graph_profile._get_mem_usage_out_of_torch = lambda: 0
+
+    def undo():
+        graph_profile._get_mem_usage_out_of_torch = original
+
+    return undo
+
+
 def profile_all_peaks(prof) -> list[int]:
     return [m[3] for m in (prof.fwd_mem or [])] + [m[3] for m in (prof.bwd_mem or [])]
 

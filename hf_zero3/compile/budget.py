@@ -2,16 +2,19 @@
 
 DeepSpeed's passes budget against 90% of ``total_memory()``. A process capped with
 ``torch.cuda.set_per_process_memory_fraction`` (or sharing the card) then plans for memory it
-cannot get. DeepCompile's profile records ``allocated + non-PyTorch memory`` (CUDA context, NCCL,
-other processes on the card), so the budget is expressed in the same units::
+cannot get. The plan counts in the caching allocator's units (bytes allocated by PyTorch): the
+profile is taken in them (:func:`hf_zero3._upstream.deepspeed.patch_deepcompile_profile_in_allocator_units`),
+and so are the calibration's peaks and the gate's drift. Memory outside the allocator (CUDA
+context, NCCL, other processes on the card) enters once, in the limit::
 
     cap    = max_memory or total x per-process fraction      # what the caching allocator may hold
-    limit  = min(cap + non-PyTorch, total)                   # in profile units
+    limit  = min(cap, total - non-PyTorch)                   # what it can really get
     budget = limit - fragmentation - safety_margin x cap - reserved
 
 ``fragmentation`` is reserved-but-unallocated memory (cached blocks a large gather may not fit
 in), ``reserved`` what will be allocated later in the step but is absent from the profile (the
-optimizer's states, for a plan made at step 0).
+optimizer's states, for a plan made at step 0). Other processes' memory moving after the plan is
+made does not move a capped plan; uncapped, the card's free memory at planning time is the limit.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ class MemoryBudget:
 
     def describe(self) -> str:
         g = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
-        return (f"budget {g(self.budget)} (allocated + non-PyTorch) = limit {g(self.limit)} - fragmentation {g(self.fragmentation)} - "
+        return (f"budget {g(self.budget)} (allocated) = limit {g(self.limit)} - fragmentation {g(self.fragmentation)} - "
                 f"safety {g(self.safety)} - reserved {g(self.reserved)} (non-PyTorch {g(self.non_pytorch)})")
 
 
@@ -50,7 +53,7 @@ def compute_budget(config: MemoryPlanConfig, state: MemoryState, reserved: int =
     cap = int(state.total * state.fraction)
     if config.max_memory is not None:
         cap = min(cap, int(config.max_memory))
-    limit = min(cap + state.non_pytorch, state.total)
+    limit = min(cap, state.total - state.non_pytorch)
     safety = int(cap * config.safety_margin)
     budget = limit - state.fragmentation - safety - int(reserved)
     return MemoryBudget(limit, state.non_pytorch, state.fragmentation, safety, int(reserved), budget)

@@ -11,7 +11,7 @@ So the plan is trusted only as far as it has been measured:
 1. **Calibration** (the first ``calibrate_steps`` training steps after a compile that planned):
    every graph's gate allows prefetches only up to that graph's own profiled peak (the
    ``match_zero3`` level, which never adds to the step's peak) and nothing is persistent. Each
-   step records this rank's real peak: allocated + non-PyTorch bytes (the profile's units) over
+   step records this rank's real peak: allocated bytes (the plan's and the profile's units) over
    forward + backward (read when ``engine.step`` begins) and over the whole step (when it ends).
 2. **Decision** (:func:`decide`), from agreed numbers only (one all-reduce per step, maximum over
    the gather group): ``excess`` = the measured forward/backward peak minus the plan's projection
@@ -70,7 +70,7 @@ def decide(peak_fwd_bwd: int, peak_step: int, projected: int, gate_budget: int,
            candidates: Sequence[tuple[int, int, float]], persist: bool, *, peak_reserved: int = 0,
            reserved_limit: int | None = None, planned_fragmentation: int = 0) -> Decision:
     """The calibration's decision from agreed measurements (a pure function: equal inputs, equal
-    decision on every rank). All sizes in profile units (bytes + non-PyTorch memory).
+    decision on every rank). All sizes in the caching allocator's bytes (the plan's units).
 
     ``projected``: the plan's own forecast of the forward/backward peak at the calibration level
     (max over planned graphs of profiled peak + agreed drift); 0 when no graph has a launch to

@@ -6,8 +6,8 @@ The planned graph carries, before its first prefetch, ``hf_zero3::agree_launch``
     launch = agree_launch(anchor, graph_id, ref_alloc, budget, bwd)  # once per graph launch
     gated_prefetch(graph_id, params, ds_ids, nbytes, window_peak, launch)
 
-``agree_launch`` measures this rank's drift (allocated + non-PyTorch memory now, minus what the
-profile had at that point) and takes the group's maximum with one all-reduce,
+``agree_launch`` measures this rank's drift (allocated memory now, minus what the profile had at
+that point) and takes the group's maximum with one all-reduce,
 so ``launch = [drift, budget]`` is identical on every rank (``budget``: the planned one as the
 memory plan's calibration adjusts it, :func:`launch_budget`, from agreed values only). The all-reduce runs on the host (a
 gloo mirror of the gather group, :func:`host_group`), so it never waits for queued GPU work. ``gated_prefetch`` then issues
@@ -109,9 +109,9 @@ def set_issue_fn(fn: Callable | None) -> None:
 
 
 def local_drift(graph_id: int, ref_alloc: int, state: MemoryState) -> int:
-    """Memory now minus the profile's at the same point, in DeepCompile's profile units
-    (allocated + non-PyTorch): optimizer states allocated since, other graphs' leftovers, NCCL."""
-    return state.allocated + state.non_pytorch - int(ref_alloc)
+    """Allocated memory now minus the profile's at the same point (the allocator's units, as the
+    plan's): optimizer states allocated since, other graphs' leftovers."""
+    return state.allocated - int(ref_alloc)
 
 
 def _agree_launch_impl(anchor: torch.Tensor, graph_id: int, ref_alloc: int, budget: int, bwd: int = 0) -> torch.Tensor:

@@ -73,7 +73,7 @@ class MemoryPlanPass:
     ops: dict | None = None  # FX target -> node kind (default: DeepCompile's dc ops)
     read_memory: Callable | None = None  # () -> MemoryState (default: this CUDA device)
     persist_fn: Callable | None = None  # ds_id -> None (default: DeepCompile's set_persistent)
-    read_peaks: Callable | None = None  # () -> (fwd/bwd, step, reserved peak), profile units (default: CUDA's)
+    read_peaks: Callable | None = None  # () -> (fwd/bwd, step, reserved peak), allocator bytes (default: CUDA's)
     records: dict = field(default_factory=dict)
     persistent: tuple = ()
     persistent_bytes: int = 0
@@ -190,7 +190,7 @@ class MemoryPlanPass:
             peaks += profile_all_peaks(pr)
         now = self.memory()
         tag = Tag("memory_plan.persist")
-        peak = all_max([max(peaks, default=0), now.allocated + now.non_pytorch], group, tag)  # profile units
+        peak = all_max([max(peaks, default=0), now.allocated], group, tag)  # the allocator's units
         time_of, size_of = self._gathered_params()
         chosen = plan_persistence([(d, size_of[d], time_of[d]) for d in sorted(size_of)], max(peak), budget.budget)
         if not all_equal([len(chosen), hash(chosen) & 0x7FFFFFFFFFFFFFFF], group, tag):
@@ -234,13 +234,12 @@ class MemoryPlanPass:
         self.calibration.reset_pending = False
 
     def peak_now(self) -> int:
-        """This rank's peak since :meth:`before_forward`, in profile units (allocated + non-PyTorch)."""
+        """This rank's allocated peak since :meth:`before_forward`."""
         return self.peaks_now()[0]
 
     def peaks_now(self) -> tuple[int, int]:
-        """(allocated, reserved) peaks since :meth:`before_forward`, in profile units (one memory read)."""
-        non_pytorch = self.memory().non_pytorch
-        return torch.cuda.max_memory_allocated() + non_pytorch, torch.cuda.max_memory_reserved() + non_pytorch
+        """(allocated, reserved) peaks since :meth:`before_forward`, in the allocator's units."""
+        return torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
 
     def after_step(self, peak_fwd_bwd: int | None = None, peak_step: int | None = None,
                    peak_reserved: int | None = None, *, boundary: bool = True,
@@ -534,6 +533,10 @@ def apply_memory_plan(engine, config: MemoryPlanConfig | None = None) -> tuple[M
     rt = runtime_of(engine)
     planner = MemoryPlanPass(config, engine, runtime=rt)
     register_compile_pass(PASS_NAME, _DISPATCHER, pass_contract())
+    from hf_zero3._upstream import patches
+    from hf_zero3._upstream.deepspeed import patch_deepcompile_profile_in_allocator_units
+
+    patches.install("deepcompile_profile_in_allocator_units", patch_deepcompile_profile_in_allocator_units)
     if _DISPATCHER.others(planner):
         log.warning("hf_zero3: a second DeepCompile engine in this process. DeepSpeed 0.19.8 keeps one DeepCompile "
                     "native state per process, owned by the engine compiled last: only that engine may run its "

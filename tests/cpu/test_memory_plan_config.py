@@ -61,15 +61,18 @@ def test_budget_counts_the_process_cap_not_the_card():
                         fraction=16 / 140)
     b = compute_budget(MemoryPlanConfig(safety_margin=0.02), state, reserved=4 * GiB)
     assert b.non_pytorch == 2 * GiB and b.fragmentation == 1 * GiB
-    assert b.limit == 18 * GiB  # the allocator's 16 GiB, in profile units (+ non-PyTorch)
-    assert b.budget == 18 * GiB - 1 * GiB - int(16 * GiB * 0.02) - 4 * GiB
+    assert b.limit == 16 * GiB  # the allocator's 16 GiB (non-PyTorch memory is outside the cap)
+    assert b.budget == 16 * GiB - 1 * GiB - int(16 * GiB * 0.02) - 4 * GiB
     assert b.gate_budget == b.budget + 4 * GiB
-    # uncapped: the card is the limit, whatever the non-PyTorch memory
+    # uncapped: the card less what is used outside this allocator (context, NCCL, other processes)
     b = compute_budget(MemoryPlanConfig(safety_margin=0.0), MemoryState(0, 0, total - 2 * GiB, total), 0)
-    assert b.limit == total and b.budget == total
+    assert b.limit == total - 2 * GiB and b.budget == total - 2 * GiB
+    # a capped process on a card that other processes filled: what is really free binds
+    crowded = MemoryState(allocated=5 * GiB, reserved=6 * GiB, free=4 * GiB, total=total, fraction=16 / 140)
+    assert compute_budget(MemoryPlanConfig(safety_margin=0.0), crowded, 0).limit == 10 * GiB
     # a user max_memory below the cap wins
     b = compute_budget(MemoryPlanConfig(max_memory="10GiB", safety_margin=0.0), state, 0)
-    assert b.limit == 12 * GiB
+    assert b.limit == 10 * GiB
 
 
 def _agree_budget_rank():
@@ -212,8 +215,9 @@ def test_step0_plan_reserves_adams_states_until_they_exist():
 def test_budget_fits_the_capped_1b_run_that_failed_on_units():
     """Regression from the 2xH200 run (benchmarks/RESULTS.md, run A): 16 GiB cap, 2.52 GiB
     non-PyTorch, 1.06 GiB fragmentation, 4.60 GiB of Adam states still to come, and a backward
-    graph whose profile (allocated + non-PyTorch) peaked at 11.65 GiB. Budgeting the allocator
-    alone gave 10.02 GiB and refused a job plain ZeRO-3 trains; in profile units it fits."""
+    graph whose profile (then allocated + non-PyTorch) peaked at 11.65 GiB. Budgeting the
+    allocator against that profile refused a job plain ZeRO-3 trains; with the profile in the
+    allocator's units too (9.13 GiB: the 2.52 GiB no longer added) it fits."""
     from hf_zero3.compile.planner import GraphProfile, NodeProfile, check_floor
 
     total = int(139.8 * GiB)
@@ -221,10 +225,11 @@ def test_budget_fits_the_capped_1b_run_that_failed_on_units():
     state = MemoryState(allocated=allocated, reserved=allocated + frag, free=total - allocated - frag - nonpt,
                         total=total, fraction=16 * GiB / total)
     b = compute_budget(MemoryPlanConfig(), state, reserved=int(4.60 * GiB))
-    assert b.budget > int(11.65 * GiB)  # room left for prefetches
-    assert b.gate_budget - b.non_pytorch < 16 * GiB  # at run time, still under the allocator's cap
-    bwd = GraphProfile(1, (NodeProfile("x", "input"), NodeProfile("mm", alloc=int(7.9 * GiB), peak=int(11.65 * GiB))))
-    check_floor(bwd, b.limit - b.safety, b.reserved)  # 7.9 + 4.6 GiB resident fits under the limit
+    assert b.budget > int((11.65 - 2.52) * GiB)  # room left for prefetches
+    assert b.gate_budget < 16 * GiB  # at run time, still under the allocator's cap
+    bwd = GraphProfile(1, (NodeProfile("x", "input"), NodeProfile("mm", alloc=int((7.9 - 2.52) * GiB),
+                                                                  peak=int((11.65 - 2.52) * GiB))))
+    check_floor(bwd, b.limit - b.safety, b.reserved)  # 5.4 + 4.6 GiB resident fits under the limit
 
 
 @pytest.mark.parametrize("values, env, message", [

@@ -32,12 +32,15 @@ def test_decision_is_a_pure_function_of_the_agreed_launch():
     assert [decide(wp, [60, 100]) for wp in window_peaks] == [False, False, False]
 
 
-def test_drift_is_measured_in_profile_units():
+def test_drift_is_measured_in_allocator_units():
     from hf_zero3.compile.gate import local_drift
 
     s = MemoryState(allocated=700, reserved=800, free=100, total=1000)
     assert s.non_pytorch == 100 and s.fragmentation == 100
-    assert local_drift(0, ref_alloc=600, state=s) == 700 + 100 - 600
+    assert local_drift(0, ref_alloc=600, state=s) == 700 - 600
+    # another process taking memory on the card moves nothing the gate compares
+    crowded = MemoryState(allocated=700, reserved=800, free=0, total=1000)
+    assert local_drift(0, ref_alloc=600, state=crowded) == 700 - 600
 
 
 def test_allocatable_counts_cached_blocks_and_the_fraction_cap():

@@ -127,6 +127,25 @@ def test_deepcompile_profiling_result_fields():
     assert ds_up.profile_complete(prof, False) is False
 
 
+def test_deepcompile_profile_reads_memory_outside_torch_through_one_module_global():
+    """The profilers read ``_get_mem_usage_out_of_torch`` by name (patched to 0 with the plan)."""
+    import inspect
+
+    from deepspeed.compile.profilers import graph_profile
+
+    from hf_zero3._upstream import patches
+
+    src = inspect.getsource(graph_profile)
+    assert src.count("self.mem_usage_out_of_torch = _get_mem_usage_out_of_torch()") >= 2  # both profilers
+    original = graph_profile._get_mem_usage_out_of_torch
+    with patches.scope():
+        patches.install("deepcompile_profile_in_allocator_units", ds_up.patch_deepcompile_profile_in_allocator_units)
+        assert graph_profile._get_mem_usage_out_of_torch() == 0
+        assert graph_profile._absolute_profile_memory(graph_profile._get_mem_usage_out_of_torch()) == (
+            graph_profile.get_accelerator().memory_allocated(), graph_profile.get_accelerator().max_memory_allocated())
+    assert graph_profile._get_mem_usage_out_of_torch is original
+
+
 def test_transformers_generation_hooks_and_length_argument():
     from transformers.generation.utils import GenerationMixin
 
