@@ -1,7 +1,13 @@
 """Rollout decode speed with the whole model gathered (issue #14): layer-wise lockstep, HF eager
 gathered (TRL's ``unwrap_model_for_generation`` + ``generate``), transformers' static cache as is,
-and lockstep's compiled decode (``decode="compiled"``), same run, batch 8 and 64, 128 new tokens,
-rows ending at rank-dependent lengths (a rank-local stopping criterion, as EOS would).
+and lockstep's compiled decode (``decode="compiled"``: hf_zero3's static loop, without and with
+CUDA graphs of 8 steps, a stop agreement every 8 steps), same run, batch 8 and 64, 128 new tokens.
+
+Rows end at rank-dependent lengths: ``useful_tokens`` counts each row up to its own target length
+(drawn per rank, row 0 of rank 0 runs all 128), and every configuration runs the 128 decode
+forwards that such a group runs (the longest row sets them), with EOS masking on. (A Python
+stopping criterion would move every configuration onto transformers' loop, so the lengths are
+applied in the count, not in the loop.)
 
 Model: Llama-3.2-1B shape in code (random weights, bf16) under ZeRO-3 on every GPU (up to 2).
 Each configuration runs twice; the first call's extra time is reported as compile seconds, the
@@ -26,15 +32,13 @@ BATCHES = [int(b) for b in os.environ.get("BENCH_BATCHES", "8,64").split(",")]
 PROMPT = 64
 PARTIAL = os.path.join(os.environ.get("OUT", HERE), "decode_partial.jsonl")
 # the slow per-layer baseline last, so that a run cut short still has the main comparison
-CONFIGS = ("hf_eager_gathered", "hf_static_gathered", "hf_zero3_compiled", "layerwise")
+CONFIGS = ("hf_eager_gathered", "hf_static_gathered", "hf_zero3_static_loop", "hf_zero3_graphs", "layerwise")
 
 
 def rank_main():
     import deepspeed
     import torch
     import torch.distributed as dist
-    from transformers import StoppingCriteria, StoppingCriteriaList
-
     import hf_zero3
     from hf_zero3.testing import mark, models, strict_zero3_config
 
@@ -48,18 +52,12 @@ def rank_main():
     module = engine.module
     n_bytes = sum(p.ds_numel for p in module.parameters()) * 2
 
-    class StopAt(StoppingCriteria):
-        def __init__(self, targets):
-            self.targets = targets.to(dev)
-
-        def __call__(self, input_ids, scores, **kw):
-            return (input_ids.shape[1] - PROMPT) >= self.targets
-
     def generate(name, kw):
         if name == "layerwise":
             return hf_zero3.lockstep_generate(engine, gather="layerwise", sync_every=4, **kw)
-        if name == "hf_zero3_compiled":
-            return hf_zero3.lockstep_generate(engine, gather="all", sync_every=4, decode="compiled", **kw)
+        if name.startswith("hf_zero3"):
+            return hf_zero3.lockstep_generate(engine, gather="all", sync_every=8, decode="compiled",
+                                              graph_steps=8 if name == "hf_zero3_graphs" else 0, **kw)
         with deepspeed.zero.GatheredParameters(list(module.parameters())):  # TRL's unwrap_model_for_generation
             extra = {"cache_implementation": "static"} if name == "hf_static_gathered" else {}
             return module.generate(**kw, synced_gpus=True, **extra)
@@ -75,8 +73,7 @@ def rank_main():
             times = []
             for rep in range(2):
                 mark(f"batch {batch} {name} rep {rep}")
-                kw = dict(input_ids=ids, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0, eos_token_id=None,
-                          stopping_criteria=StoppingCriteriaList([StopAt(targets)]))
+                kw = dict(input_ids=ids, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0, eos_token_id=None)
                 dist.barrier()
                 torch.cuda.synchronize()
                 t = time.perf_counter()
@@ -86,10 +83,13 @@ def rank_main():
                 times.append(time.perf_counter() - t)
             tot = torch.tensor([useful, times[1]], dtype=torch.float64, device=dev)
             dist.all_reduce(tot)
-            stats = module.hf_zero3_last_generate if name != "hf_eager_gathered" else None
+            stats = module.hf_zero3_last_generate if name.startswith("hf_zero3") or name == "layerwise" else None
             rows.append(dict(batch=batch, config=name, seconds=tot[1].item() / dist.get_world_size(),
                              useful_tokens=int(tot[0].item()), compile_s=max(0.0, times[0] - times[1]),
                              decode=getattr(stats, "decode", None) if name.startswith("hf_zero3") else None,
+                             loop=getattr(stats, "loop", None) if name.startswith("hf_zero3") else None,
+                             graph_steps=getattr(stats, "graph_steps", None) if name.startswith("hf_zero3") else None,
+                             forwards=getattr(stats, "forwards", None), compiles=getattr(stats, "compiles", None),
                              weight_bytes=n_bytes))
             if rank == 0:  # as it is measured: a run cut short keeps its rows
                 print("measured", rows[-1], flush=True)
@@ -122,7 +122,7 @@ def main():
     setup = dict(world=world, max_new_tokens=MAX_NEW, prompt=PROMPT, batches=BATCHES)
     path = save("decode", {"setup": setup, "rows": rows}, HERE)
     print(setup)
-    print(table(rows, ["batch", "config", "decode", "seconds", "tokens_per_s", "compile_s", "fraction_of_floor",
+    print(table(rows, ["batch", "config", "decode", "loop", "graph_steps", "forwards", "seconds", "tokens_per_s", "compile_s", "fraction_of_floor",
                        "vs_hf_eager_gathered", "vs_hf_static"]))
     print(f"raw numbers: {path}")
 

@@ -43,6 +43,13 @@ def _say(reason: str, loud: bool) -> None:
         (log.warning if loud else log.info)("hf_zero3 lockstep: eager decoding: %s", reason)
 
 
+def say_once(message: str) -> None:
+    """One info line per distinct message (a fallback inside compiled decoding)."""
+    if message not in _SAID:
+        _SAID.add(message)
+        log.info("hf_zero3 lockstep: %s", message)
+
+
 def _gen_value(model, kwargs: dict, name: str, default=None):
     if name in kwargs:
         return kwargs[name]

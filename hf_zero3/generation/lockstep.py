@@ -35,14 +35,14 @@ from .._upstream.versions import require
 from ..errors import RankDivergenceError, RankFailure
 from ..gathering import GATHER_MODES, EvalGatherMixin, gathered_forwards
 from ..runtime import runtime_of
-from . import compiled_decode
+from . import compiled_decode, graph_decode
 from .compiled_decode import DECODE_MODES
 
 __all__ = ["LockstepConfig", "LockstepStats", "Zero3GenerationMixin", "lockstep",
            "lockstep_generate", "STOP_MODES"]
 
 STOP_MODES = ("sync", "fixed")
-_LOCKSTEP_KWARGS = ("stop", "sync_every", "gather", "group", "decode", "bucket")
+_LOCKSTEP_KWARGS = ("stop", "sync_every", "gather", "group", "decode", "bucket", "graph_steps")
 
 
 @dataclass
@@ -61,6 +61,9 @@ class LockstepConfig:
             ``"eager"``; see :mod:`hf_zero3.generation.compiled_decode`.
         bucket: compiled decoding sizes its static cache to prompt + new tokens rounded up to
             this many tokens, so calls of other lengths in the bucket reuse the compiled step.
+        graph_steps: compiled decoding on CUDA replays this many decode steps per CUDA-graph
+            launch (between two stop agreements; 0: no CUDA graphs); see
+            :mod:`hf_zero3.generation.graph_decode`.
     """
 
     stop: str = "sync"
@@ -69,6 +72,7 @@ class LockstepConfig:
     group: Any = None
     decode: str = "eager"  # "auto" becomes the default once its GPU tests and benchmark have run
     bucket: int = 64
+    graph_steps: int = 8
 
     def validate(self) -> "LockstepConfig":
         if self.stop not in STOP_MODES:
@@ -81,6 +85,8 @@ class LockstepConfig:
             raise ValueError(f"decode must be one of {DECODE_MODES}, not {self.decode!r}")
         if isinstance(self.bucket, bool) or not isinstance(self.bucket, int) or self.bucket < 1:
             raise ValueError(f"bucket must be a positive int (tokens), not {self.bucket!r}")
+        if isinstance(self.graph_steps, bool) or not isinstance(self.graph_steps, int) or self.graph_steps < 0:
+            raise ValueError(f"graph_steps must be an int >= 0 (decode steps per CUDA graph), not {self.graph_steps!r}")
         return self
 
     def options(self) -> dict:
@@ -102,6 +108,9 @@ class LockstepStats:
     decode: str = "eager"      # "compiled": static KV cache + compiled decode step; "eager"
     decode_reason: str | None = None  # why the call decoded eagerly (None when compiled)
     compiles: int = 0          # Dynamo graphs compiled during the call (0: the compiled step was reused)
+    loop: str = "transformers"  # whose decode loop ran: "transformers" or "hf_zero3" (static buffers)
+    loop_reason: str | None = None  # why compiled decoding kept transformers' loop
+    graph_steps: int = 0       # decode steps per CUDA-graph launch (0: no CUDA graphs)
 
 
 class _Call:
@@ -198,12 +207,28 @@ class _Call:
         elif self.cfg.stop == "fixed" or k % self.cfg.sync_every != 0:
             go = True
         else:
-            (unfinished,) = self._agree("generate.step", [0 if this_peer_finished else 1])
-            go = unfinished == 1
+            go = self.agree_unfinished(not this_peer_finished)
         if not go:
             self.stats.forwards = k
             self.stats.extra_forwards = k - (self.done_at if self.done_at is not None else k)
         return go
+
+    def agree_unfinished(self, unfinished: bool) -> bool:
+        """The stop agreement: does any rank of the group still have unfinished rows?"""
+        (any_unfinished,) = self._agree("generate.step", [1 if unfinished else 0])
+        return any_unfinished == 1
+
+    def finish_loop(self, forwards: int, done_at: int | None, *, compiled: bool, graph_steps: int) -> None:
+        """hf_zero3's static loop ran ``forwards`` forwards (see :mod:`.graph_decode`)."""
+        if self.rt.join is not None:
+            done_at = 0  # a joining rank's rows are placeholders, done from the start
+        self.stats.forwards = forwards
+        self.stats.extra_forwards = forwards - (done_at if done_at is not None else forwards)
+        self.stats.loop = "hf_zero3"
+        self.stats.graph_steps = graph_steps
+        if not compiled:
+            self.stats.decode = "eager"
+            self.stats.decode_reason = graph_decode.failure(self.model)
 
 
 class Zero3GenerationMixin:
@@ -312,6 +337,21 @@ class Zero3GenerationMixin:
         call.stats.decode = "compiled"
         return True
 
+    def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                streamer=None, **model_kwargs):
+        call = _call_of(self)
+        if (call is not None and call.phase == "decoding" and call.compile
+                and self._valid_auto_compile_criteria(model_kwargs, generation_config)):
+            why = graph_decode.unsupported(self, logits_processor, stopping_criteria, generation_config, streamer,
+                                           model_kwargs, input_ids.shape[1] + int(call.budget))
+            if why is None:
+                return graph_decode.decode(self, call, input_ids, logits_processor, stopping_criteria,
+                                           generation_config, model_kwargs, call.cfg.graph_steps)
+            call.stats.loop_reason = why
+            compiled_decode.say_once(f"transformers' compiled loop instead of hf_zero3's static loop: {why}")
+        return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
+                               streamer, **model_kwargs)
+
     def _has_unfinished_sequences(self, this_peer_finished, synced_gpus, device=None, **kwargs):
         call = _call_of(self)
         if call is None or call.phase != "decoding":
@@ -400,7 +440,7 @@ def _generating_model(obj) -> nn.Module:
 
 
 def lockstep(model, *, stop: str = "sync", sync_every: int = 1, gather: str = "auto",
-             group=None, decode: str = "eager", bucket: int = 64):
+             group=None, decode: str = "eager", bucket: int = 64, graph_steps: int = 8):
     """Make ``model.generate()`` run in lockstep under ZeRO-3, in place (no weights reloaded).
 
     ``model`` may be a transformers model, a PEFT-wrapped one, or a DeepSpeed engine (its
@@ -411,12 +451,13 @@ def lockstep(model, *, stop: str = "sync", sync_every: int = 1, gather: str = "a
     target = _generating_model(model)
     rt = runtime_of(model)
     target.__class__ = _lockstep_class(type(target))
-    rt.lockstep = LockstepConfig(stop, sync_every, gather, group, decode, bucket).validate()
+    rt.lockstep = LockstepConfig(stop, sync_every, gather, group, decode, bucket, graph_steps).validate()
     return model
 
 
 def lockstep_generate(model, *, stop: str = "sync", sync_every: int = 1, gather: str = "auto",
-                      group=None, decode: str = "eager", bucket: int = 64, **generate_kwargs):
+                      group=None, decode: str = "eager", bucket: int = 64, graph_steps: int = 8,
+                      **generate_kwargs):
     """``model.generate(**generate_kwargs)`` in lockstep, leaving ``model``'s class as it was.
 
     ``model`` may be a transformers model, a PEFT model or a DeepSpeed engine. The settings are
@@ -427,6 +468,7 @@ def lockstep_generate(model, *, stop: str = "sync", sync_every: int = 1, gather:
     target.__class__ = _lockstep_class(saved)
     try:
         return zero3.unwrap(model).generate(stop=stop, sync_every=sync_every, gather=gather, group=group,
-                                            decode=decode, bucket=bucket, **generate_kwargs)
+                                            decode=decode, bucket=bucket, graph_steps=graph_steps,
+                                            **generate_kwargs)
     finally:
         target.__class__ = saved

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 
 def build_engine(config_fn_name: str = "tiny_llama_config", *, hf_aware: bool = True, seed: int = 0,
                  world_size: int | None = None, **config_overrides):
@@ -26,15 +28,17 @@ def build_engine(config_fn_name: str = "tiny_llama_config", *, hf_aware: bool = 
 
 
 class ForwardCounter:
-    """Counts top-level forwards of a module (decode steps, prefill included)."""
+    """Counts top-level forwards of a module (decode steps, prefill included), in a tensor: a
+    compiled forward (Dynamo) and a replayed CUDA graph count as an eager one does."""
 
     def __init__(self, module):
-        self.n = 0
+        self.n = torch.zeros((), dtype=torch.long, device=next(module.parameters()).device)
         self.handle = module.register_forward_pre_hook(self._hook)
 
     def _hook(self, module, args):
-        self.n += 1
+        self.n.add_(1)
 
     def take(self) -> int:
-        n, self.n = self.n, 0
+        n = int(self.n)
+        self.n.zero_()
         return n

@@ -35,11 +35,20 @@ def _compiled_two_ranks():
             exp = ref.generate(input_ids=ids, **gen)
         results[name] = dict(out=out.tolist(), exp=exp.tolist(), forwards=counter.take(), decode=stats.decode,
                              reason=stats.decode_reason, compiles=stats.compiles, gather=stats.gather,
-                             stat_forwards=stats.forwards)
+                             stat_forwards=stats.forwards, loop=stats.loop, loop_reason=stats.loop_reason,
+                             extra=stats.extra_forwards, agreements=stats.agreements)
 
     prompt = early_prompt if rank == 0 else sc.late[0]
     run("eager", prompt, gather="all", decode="eager")
     run("compiled", prompt, gather="all", decode="compiled", bucket=64)
+    # a stop agreement every 3 steps: the static loop agrees at the same steps as transformers' loop
+    run("eager_sync3", prompt, gather="all", decode="eager", sync_every=3)
+    run("compiled_sync3", prompt, gather="all", decode="compiled", sync_every=3)
+    run("compiled_fixed", prompt, gather="all", decode="compiled", stop="fixed")
+    run("eager_fixed", prompt, gather="all", decode="eager", stop="fixed")
+    # a processor the static loop does not capture: transformers' compiled loop, and it says why
+    run("compiled_rep", prompt, gather="all", decode="compiled", repetition_penalty=1.3)
+    run("eager_rep", prompt, gather="all", decode="eager", repetition_penalty=1.3)
     # another prompt length in the same 64-token bucket: the compiled step is reused
     other = (sc.late[1] if rank == 0 else early_prompt)[: max(2, len(prompt) - 3)]
     run("eager_other", other, gather="all", decode="eager")
@@ -66,10 +75,23 @@ def test_compiled_tokens_equal_eager_and_the_reference_in_fp32(results):
             assert r[name]["out"] == r[name.replace("compiled", "eager")]["out"] == r[name]["exp"], name
 
 
+def test_static_loop_runs_and_matches_transformers_loop_in_every_stop_mode(results):
+    for r in results:
+        for name in ("compiled", "compiled_other", "compiled_sync3", "compiled_fixed"):
+            assert r[name]["loop"] == "hf_zero3" and r[name]["loop_reason"] is None, r[name]
+            eager = r[name.replace("compiled", "eager")]
+            # tokens, forwards, extra forwards and agreements as transformers' loop under lockstep
+            for key in ("out", "forwards", "stat_forwards", "extra", "agreements"):
+                assert r[name][key] == eager[key], (name, key, r[name][key], eager[key])
+        assert r["compiled_fixed"]["stat_forwards"] == r["steps"]
+        assert r["compiled_rep"]["loop"] == "transformers" and "RepetitionPenalty" in r["compiled_rep"]["loop_reason"]
+        assert r["compiled_rep"]["decode"] == "compiled" and r["compiled_rep"]["out"] == r["eager_rep"]["out"]
+
+
 def test_divergent_eos_and_equal_forwards_on_every_rank(results):
     r0, r1 = results
     assert r0["eos_step_rank0"] < r0["steps"]  # rank 0's row ends early; rank 1's runs on
-    for name in ("compiled", "compiled_other", "eager"):
+    for name in ("compiled", "compiled_other", "eager", "compiled_sync3", "compiled_fixed"):
         assert r0[name]["forwards"] == r1[name]["forwards"] > 1, name
         assert r0[name]["stat_forwards"] == r1[name]["stat_forwards"], name
 
@@ -97,6 +119,8 @@ def test_bad_decode_settings_are_refused_by_name():
         LockstepConfig(decode="fast").validate()
     with pytest.raises(ValueError, match="bucket must be a positive int"):
         LockstepConfig(bucket=0).validate()
+    with pytest.raises(ValueError, match="graph_steps must be an int >= 0"):
+        LockstepConfig(graph_steps=-1).validate()
 
 
 def _grpo_compiled_rank(tmpdir: str):

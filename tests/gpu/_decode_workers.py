@@ -37,9 +37,25 @@ def compiled_decode(new_tokens: int = 48):
         diff = (eager_steps - compiled_steps).abs().max().item()
         scale = eager_steps.abs().max().item()
         out["teacher_forced"] = dict(max_abs_diff=diff, max_abs_logit=scale)
+        # hf_zero3's static loop with CUDA graphs (no return_dict): a stop agreement every 4 steps;
+        # teacher-forced, each chosen token is the eager forward's argmax within the bf16 tolerance
+        seq = hf_zero3.lockstep_generate(engine, input_ids=ids, gather="all", decode="compiled", do_sample=False,
+                                         sync_every=4, graph_steps=8, **kw)
+        st = module.hf_zero3_last_generate
+        out["graphs"] = dict(loop=st.loop, reason=st.loop_reason, graph_steps=st.graph_steps, decode=st.decode,
+                             forwards=st.forwards, compiles=st.compiles)
+        with hf_zero3.eval_forward(engine, gather="all"):
+            eager = module(input_ids=seq).logits.float()
+        p = ids.shape[1]
+        gen = seq[:, p:]
+        pred = eager[:, p - 1: p - 1 + gen.shape[1]]
+        valid = torch.cumsum(torch.cumsum((gen == kw["eos_token_id"]).long(), 1), 1) <= 1  # up to the first EOS
+        margin = (pred.max(-1).values - pred.gather(-1, gen[..., None]).squeeze(-1))[valid]
+        out["graphs_teacher_forced"] = dict(max_margin=margin.max().item(), max_abs_logit=pred.abs().max().item(),
+                                            tokens=int(valid.sum()))
         # another prompt length in the same 64-token bucket: no recompile
         hf_zero3.lockstep_generate(engine, input_ids=ids[:, :-2], gather="all", decode="compiled", **kw)
-        out["second"] = dict(compiles=module.hf_zero3_last_generate.compiles)
+        out["second"] = dict(compiles=module.hf_zero3_last_generate.compiles, loop=module.hf_zero3_last_generate.loop)
         # sampling with a fixed seed, twice: identical tokens
         samples = []
         for _ in range(2):
@@ -47,4 +63,5 @@ def compiled_decode(new_tokens: int = 48):
             samples.append(hf_zero3.lockstep_generate(engine, input_ids=ids, gather="all", decode="compiled",
                                                       do_sample=True, top_k=20, **kw).tolist())
         out["sampling_reproducible"] = samples[0] == samples[1]
+        out["sampling_loop"] = module.hf_zero3_last_generate.loop
     return out

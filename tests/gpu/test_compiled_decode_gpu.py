@@ -1,6 +1,8 @@
 """Compiled decoding in lockstep on real GPUs (issue #14; marked gpu): bf16 logits of the compiled
 step within tolerance of an eager forward over the same sequence (teacher-forced), no recompile for
-another prompt length in the bucket, seeded sampling reproducible run to run, forwards equal."""
+another prompt length in the bucket, seeded sampling reproducible run to run, forwards equal; and
+hf_zero3's static loop replaying CUDA graphs: each chosen token the eager forward's argmax within the
+bf16 tolerance (teacher-forced)."""
 
 import pytest
 
@@ -19,5 +21,12 @@ def test_compiled_decode_matches_eager_logits_and_does_not_recompile():
         assert r["first"]["compiles"] > 0 and r["second"]["compiles"] == 0, r
         tf = r["teacher_forced"]
         assert tf["max_abs_diff"] <= 0.05 * max(1.0, tf["max_abs_logit"]), tf  # bf16: a tolerance, not identity
-        assert r["sampling_reproducible"]
+        assert r["sampling_reproducible"] and r["sampling_loop"] == "hf_zero3"
+        # hf_zero3's static loop, replaying CUDA graphs between stop agreements
+        g = r["graphs"]
+        assert g["loop"] == "hf_zero3" and g["graph_steps"] == 8 and g["decode"] == "compiled", g
+        gtf = r["graphs_teacher_forced"]
+        assert gtf["tokens"] > 0 and gtf["max_margin"] <= 0.05 * max(1.0, gtf["max_abs_logit"]), gtf
+        assert r["second"]["loop"] == "hf_zero3"
     assert len({r["first"]["forwards"] for r in res}) == 1
+    assert len({r["graphs"]["forwards"] for r in res}) == 1
