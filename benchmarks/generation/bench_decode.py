@@ -1,5 +1,6 @@
 """Rollout decode speed with the whole model gathered (issue #14): layer-wise lockstep, HF eager
-gathered (TRL's ``unwrap_model_for_generation`` + ``generate``), transformers' static cache as is,
+gathered (TRL's ``unwrap_model_for_generation`` + ``generate``: all parameters gathered, ZeRO-3's
+hooks off, here through ``hf_zero3.eval_forward(gather="all")``), transformers' static cache as is,
 and lockstep's compiled decode (``decode="compiled"``: hf_zero3's static loop, without and with
 CUDA graphs of 8 steps, a stop agreement every 8 steps), same run, batch 8 and 64, 128 new tokens.
 
@@ -58,7 +59,9 @@ def rank_main():
         if name.startswith("hf_zero3"):
             return hf_zero3.lockstep_generate(engine, gather="all", sync_every=8, decode="compiled",
                                               graph_steps=8 if name == "hf_zero3_graphs" else 0, **kw)
-        with deepspeed.zero.GatheredParameters(list(module.parameters())):  # TRL's unwrap_model_for_generation
+        # TRL's unwrap_model_for_generation: the whole model gathered and ZeRO-3's hooks off
+        # (GatheredParameters + remove_hooks), then transformers' own generate()
+        with hf_zero3.eval_forward(engine, gather="all"):
             extra = {"cache_implementation": "static"} if name == "hf_static_gathered" else {}
             return module.generate(**kw, synced_gpus=True, **extra)
 
