@@ -47,7 +47,7 @@ _MODEL_KWARGS = frozenset({"attention_mask", "past_key_values", "use_cache", "ou
                            "output_hidden_states", "return_dict", "logits_to_keep", "cache_position",
                            "position_ids"})
 _COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit)
-_COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_COMPILED: dict = {}  # model class -> its compiled __call__
 _FAILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> why its forward did not compile
 _NO_GRAPHS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> why its steps were not captured
 
@@ -106,10 +106,12 @@ def _forward_kwargs(model) -> dict:
     return {"logits_to_keep": 1} if "logits_to_keep" in params else {}
 
 
-def _compiled_forward(model):
-    fn = _COMPILED.get(model)
+def _compiled_call(cls):
+    """``cls.__call__`` compiled into one graph (hooks included, as transformers compiles it),
+    once per class: an unbound function holds no model alive."""
+    fn = _COMPILED.get(cls)
     if fn is None:
-        fn = _COMPILED[model] = torch.compile(model.__call__, fullgraph=True)  # hooks included, as transformers compiles it
+        fn = _COMPILED[cls] = torch.compile(cls.__call__, fullgraph=True)
     return fn
 
 
@@ -151,7 +153,7 @@ class _Loop:
         self.alive = torch.ones(budget, dtype=torch.bool, device=dev)
         self.sample = bool(generation_config.do_sample)
         self.extra = _forward_kwargs(model)
-        self.forward = _compiled_forward(model)
+        self.call = _compiled_call(type(model))  # called as call(model, ...)
         self.compiled = True
 
     def prefill(self) -> None:
@@ -166,17 +168,17 @@ class _Loop:
         kwargs = dict(input_ids=self.tok.view(-1, 1), attention_mask=self.mask, position_ids=self.pos.view(-1, 1),
                       past_key_values=self.cache, use_cache=True, **self.extra)
         try:
-            out = self.forward(**kwargs)
+            out = self.call(self.model, **kwargs)
         except _COMPILE_ERRORS as exc:
             # Dynamo/inductor failed before running a kernel (a graph break, the recompile limit:
             # a hook with Python state, say): this step and the rest run the forward eagerly
-            if self.forward is self.model:
+            if not self.compiled:
                 raise
             why = f"the forward does not compile into one graph ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
             _FAILED[self.model] = why
             log.warning("hf_zero3 lockstep: static loop without torch.compile: %s", why)
-            self.forward, self.compiled = self.model, False
-            out = self.forward(**kwargs)
+            self.call, self.compiled = type(self.model).__call__, False
+            out = self.call(self.model, **kwargs)
         self._choose(out.logits[:, -1])
 
     def _choose(self, logits: torch.Tensor) -> None:
