@@ -147,6 +147,11 @@ class _Loop:
         self.idx = torch.zeros(1, dtype=torch.long, device=dev)
         self.unfinished = torch.ones(b, dtype=torch.bool, device=dev)
         self.eos = _eos_ids(stopping_criteria, dev)
+        # this rank's own step budget (its max_length), which may be below the group's agreed one:
+        # its rows are done there, as transformers' MaxLengthCriteria has them
+        lengths = [c.max_length for c in stopping_criteria or () if type(c).__name__ == "MaxLengthCriteria"]
+        own = min([budget] + [int(n) - p for n in lengths])
+        self.own = torch.tensor(own, dtype=torch.long, device=dev)
         pad = generation_config._pad_token_tensor
         self.pad = (pad if pad is not None else torch.tensor(0)).to(dev, torch.long).flatten()[0]
         self.out = torch.full((b, budget), int(self.pad), dtype=torch.long, device=dev)
@@ -194,6 +199,7 @@ class _Loop:
         self.out.index_copy_(1, self.idx, nxt.view(-1, 1))
         if self.eos is not None:
             self.unfinished &= ~torch.isin(nxt, self.eos)
+        self.unfinished &= self.idx + 1 < self.own  # token idx + 1 reached this rank's max_length
         self.alive.index_copy_(0, self.idx, self.unfinished.any().view(1))
         self.tok.copy_(nxt)
         self.idx.add_(1)

@@ -166,3 +166,92 @@ def test_batch_sizes_recompile_once_then_reuse_a_dynamic_step():
     (r,) = run_ranks(_batch_sizes_rank, 1, init="deepspeed", timeout=300, pg_timeout=60)
     assert [d for _, d, _ in r] == ["compiled"] * 5
     assert [c > 0 for _, _, c in r] == [True, True, False, False, False], r
+
+
+def _static_loop_batches_rank():
+    """Left-padded batches with rows ending at different steps, seeded sampling, and a forward
+    that stops compiling mid-call, through hf_zero3's static loop (2 ranks, fp32)."""
+    import torch._dynamo
+    import torch.distributed as dist
+    from _zero3_workers import build_engine
+
+    import hf_zero3
+    from hf_zero3.testing.scenarios import find_eos_scenario
+
+    rank = dist.get_rank()
+    engine, ref = build_engine(hf_aware=False)
+    sc = find_eos_scenario(ref)
+    rows = [sc.early[0][0], sc.late[0], sc.late[1][:2]] if rank == 0 else [sc.late[2], sc.early[0][0][:3]]
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[0] * (width - len(r)) + list(r) for r in rows])  # left padding, as TRL pads prompts
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    gen = dict(input_ids=ids, attention_mask=mask, max_new_tokens=sc.steps, eos_token_id=sc.eos_token_id,
+               pad_token_id=0)
+    out = {}
+
+    def run(name, seed=None, **kw):
+        mark(f"case {name}")
+        if seed is not None:
+            torch.manual_seed(seed)
+        with torch.no_grad():
+            got = hf_zero3.lockstep_generate(engine, gather="all", sync_every=2, **{**gen, **kw})
+        s = engine.module.hf_zero3_last_generate
+        out[name] = dict(out=got.tolist(), loop=s.loop, loop_reason=s.loop_reason, decode=s.decode,
+                         reason=s.decode_reason, forwards=s.forwards, extra=s.extra_forwards)
+
+    run("eager", decode="eager")
+    run("compiled", decode="compiled")
+    with torch.no_grad():
+        out["reference"] = ref.generate(**gen).tolist()
+    sampling = dict(do_sample=True, top_k=12, top_p=0.9, temperature=0.8)
+    run("eager_sampled", seed=11 + rank, decode="eager", **sampling)
+    run("compiled_sampled", seed=11 + rank, decode="compiled", **sampling)
+
+    # a forward hook with Python state: Dynamo recompiles on every call until its limit, then the
+    # loop runs the rest of that call eagerly (and says why); the tokens stay the same
+    class PyCounter:
+        n = 0
+
+        def __call__(self, module, args):
+            PyCounter.n += 1
+
+    handle = engine.module.register_forward_pre_hook(PyCounter())
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = 2
+    try:
+        run("hooked", decode="compiled")
+    finally:
+        torch._dynamo.config.recompile_limit = limit
+        handle.remove()
+    out["hooked"]["calls"] = PyCounter.n
+    return out
+
+
+@pytest.fixture(scope="module")
+def batch_results():
+    return run_ranks(_static_loop_batches_rank, 2, timeout=420, pg_timeout=60)
+
+
+def test_static_loop_left_padded_batch_matches_eager_and_the_reference(batch_results):
+    for r in batch_results:
+        assert r["compiled"]["loop"] == "hf_zero3" and r["compiled"]["decode"] == "compiled", r["compiled"]
+        assert r["compiled"]["out"] == r["eager"]["out"] == r["reference"]
+        assert r["compiled"]["extra"] == r["eager"]["extra"]
+    assert batch_results[0]["compiled"]["forwards"] == batch_results[1]["compiled"]["forwards"]
+
+
+def test_static_loop_samples_the_tokens_eager_sampling_draws(batch_results):
+    for r in batch_results:
+        assert r["compiled_sampled"]["loop"] == "hf_zero3", r["compiled_sampled"]
+        # same generator state, same processors, one multinomial draw per step: the same tokens
+        assert r["compiled_sampled"]["out"] == r["eager_sampled"]["out"]
+    assert any(r["compiled_sampled"]["out"] != r["compiled"]["out"] for r in batch_results)  # it did sample
+    assert batch_results[0]["compiled_sampled"]["forwards"] == batch_results[1]["compiled_sampled"]["forwards"]
+
+
+def test_a_forward_that_stops_compiling_mid_call_finishes_eagerly(batch_results):
+    for r in batch_results:
+        h = r["hooked"]
+        assert h["loop"] == "hf_zero3" and h["decode"] == "eager" and "does not compile" in h["reason"], h
+        assert h["out"] == r["eager"]["out"]
+        assert h["calls"] == h["forwards"]  # the hook ran in every forward, compiled or eager

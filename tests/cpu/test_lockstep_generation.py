@@ -291,7 +291,7 @@ def test_three_ranks_qwen2_and_t5_encoder_decoder():
             assert r[name]["match"], f"{name} rank {rank}: {r[name]['got']} vs {r[name]['exp']}"
 
 
-def _peft_lora():
+def _peft_lora(decode: str = "eager"):
     import deepspeed
     import torch.distributed as dist
     from _zero3_workers import ForwardCounter
@@ -316,7 +316,7 @@ def _peft_lora():
                                       model_parameters=[p for p in peft_model.parameters()
                                                         if p.requires_grad])
     engine.eval()
-    hf_zero3.lockstep(engine, sync_every=2)
+    hf_zero3.lockstep(engine, sync_every=2, decode=decode)
     counter = ForwardCounter(engine.module.get_base_model())
     ids = torch.tensor([[5 + rank, 8, 13]])
     eos = 95 if rank == 1 else None
@@ -325,15 +325,19 @@ def _peft_lora():
         got = engine.module.generate(input_ids=ids, **kw)
         forwards = counter.take()
         exp = ref.generate(input_ids=ids, **kw)
-    return dict(match=got.tolist() == exp.tolist(), forwards=forwards,
-                gather=engine.module.get_base_model().hf_zero3_last_generate.gather,
-                zero3=hf_zero3.zero3.is_zero3_model(engine.module))
+    stats = engine.module.get_base_model().hf_zero3_last_generate
+    return dict(match=got.tolist() == exp.tolist(), got=got.tolist(), exp=exp.tolist(), forwards=forwards, gather=stats.gather, loop=stats.loop,
+                decode=stats.decode, zero3=hf_zero3.zero3.is_zero3_model(engine.module))
 
 
-def test_peft_lora_model_generates_in_lockstep():
-    res = run_ranks(_peft_lora, 2, timeout=150, pg_timeout=15)
+@pytest.mark.parametrize("decode", ["eager", "compiled"])
+def test_peft_lora_model_generates_in_lockstep(decode):
+    res = run_ranks(_peft_lora, 2, args=(decode,), timeout=240, pg_timeout=30)
+    # "compiled": hf_zero3's static loop through the LoRA layers (fp32, tokens identical)
+    assert all(r["loop"] == ("hf_zero3" if decode == "compiled" else "transformers") for r in res), res
+    assert all(r["decode"] == decode for r in res), res
     assert all(r["zero3"] for r in res)
     assert res[0]["forwards"] == res[1]["forwards"] == 12  # budgets 6 and 12: agreed max
     for rank, r in enumerate(res):
-        assert r["match"], f"rank {rank}"
+        assert r["match"], f"rank {rank}: {r['got']} vs {r['exp']}"
         assert r["gather"] == "all"
