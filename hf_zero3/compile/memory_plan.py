@@ -173,7 +173,7 @@ class MemoryPlanPass:
                  len(profile.gathers()), len(plan.slots), plan.peak / 2**30)
         if chosen is not None:
             try:  # gm is rewritten already: hand it back whatever happens here
-                self._persist(*chosen)
+                self._persist(*chosen, group)
             except Exception as exc:  # noqa: BLE001 - re-raised from the next forward
                 log.error("hf_zero3 memory plan: persistence failed: %s", exc)
                 self.error = self.error or exc
@@ -207,8 +207,12 @@ class MemoryPlanPass:
                     size_of[nd.ds_id] = nd.nbytes
         return time_of, size_of
 
-    def _persist(self, chosen: tuple, size_of: dict) -> None:
+    def _persist(self, chosen: tuple, size_of: dict, group=None) -> None:
+        """Keep ``chosen`` gathered. Each ``set_persistent`` is a collective: a rank that could not
+        allocate one mid-way would leave the others in its all-gather, so the group first agrees
+        that every rank can allocate them all (else none persists, on every rank alike)."""
         from hf_zero3._upstream.deepspeed import deepcompile_handle
+        from hf_zero3.agree import Tag, all_min
 
         persist = self.persist_fn or deepcompile_handle().set_persistent
         if self.persist_fn is None and torch.cuda.is_available():
@@ -217,6 +221,12 @@ class MemoryPlanPass:
             # in under a cap: hand free segments back first, so they go to fresh segments instead.
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
+        need = sum(size_of[d] for d in chosen)
+        (room,) = all_min([self.memory().allocatable - need], group, Tag("memory_plan.persist_fits"))
+        if room < 0:
+            log.warning("hf_zero3 memory plan: a rank of the group cannot allocate the %.2f GiB chosen to stay "
+                        "gathered (short by %.2f GiB); nothing is made persistent", need / 2**30, -room / 2**30)
+            return
         for ds_id in chosen:
             persist(ds_id)
         self.persistent = chosen
@@ -345,7 +355,7 @@ class MemoryPlanPass:
                  cal.peak_fwd_bwd / 2**30, projected / 2**30, d.excess / 2**30, cal.peak_reserved / 2**30,
                  gate_budget / 2**30, d.tighten / 2**30, len(d.persistent), max(d.room, 0) / 2**30)
         if d.persistent:
-            self._persist(d.persistent, size_of)
+            self._persist(d.persistent, size_of, group)
         return d
 
     def _set_gates(self) -> None:

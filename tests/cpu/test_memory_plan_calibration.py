@@ -57,7 +57,7 @@ def test_decision_is_monotone_in_the_measured_peak():
 
 
 def _calibrating_rank(agree: bool, extra_peak: tuple[int, ...], slack: int = 60_000, jump: int = 0,
-                      persist: bool = True):
+                      persist: bool = True, squeeze_rank: int | None = None):
     """Plan, run the gated graph while calibrating, report 2 measured steps (this rank's peak is
     the profile's plus ``extra_peak[rank]``), run it again twice, rank 1 peaking ``jump`` bytes
     higher at the last step. ``agree=False``: the planner's group is this rank alone, so it decides
@@ -80,6 +80,7 @@ def _calibrating_rank(agree: bool, extra_peak: tuple[int, ...], slack: int = 60_
     peak = max(m[3] for m in rec.fwd_mem)
     total = peak + slack
     state = MemoryState(allocated=peak // 2, reserved=peak // 2 + 1000, free=total - peak // 2 - 1000, total=total)
+    memory = {"now": state}
     persisted = []
 
     def persist_one(ds_id):  # a real collective per persistent parameter, as set_persistent all-gathers
@@ -92,7 +93,7 @@ def _calibrating_rank(agree: bool, extra_peak: tuple[int, ...], slack: int = 60_
     measured = {"fb": peak + extra_peak[rank], "st": peak + extra_peak[rank] + 500}
     plan_pass = MemoryPlanPass(MemoryPlanConfig(safety_margin=0.0, calibrate_steps=2, persist=persist),
                                ops=STAND_IN_OPS,
-                               read_memory=lambda: state, persist_fn=persist_one,
+                               read_memory=lambda: memory["now"], persist_fn=persist_one,
                                read_peaks=lambda: (measured["fb"], measured["st"], measured["st"] + 1000),
                                runtime=SimpleNamespace(group=group))
     gate.reset_drifts()
@@ -108,6 +109,8 @@ def _calibrating_rank(agree: bool, extra_peak: tuple[int, ...], slack: int = 60_
     gate.set_issue_fn(collective_issue(issued))
     runs = []
     decisions = []
+    if rank == squeeze_rank:  # after planning, this rank's card fills up (another process, a leak)
+        memory["now"] = MemoryState(allocated=peak // 2, reserved=peak // 2, free=0, total=total)
     for step in range(5):  # step 0 compiled (skipped), 1-2 measured, 3-4 run calibrated
         mark(f"step {step}")
         if step == 4 and rank == 1:  # rank 1 alone peaks higher (a longer batch, a leak)
@@ -146,6 +149,18 @@ def test_calibration_decides_identically_on_every_rank_from_the_agreed_peaks():
     assert tighten == max(0, excess)
     assert 0 < len(persistent) < r0["summary"]["gathers"]
     assert r0["summary"]["calibrated"]
+
+
+def test_a_rank_that_cannot_allocate_the_persistent_parameters_stops_every_rank_persisting():
+    # rank 1 has no free memory left when the decision is acted on: each set_persistent is a
+    # collective, so the group agrees first, and no rank persists (instead of rank 1 failing in
+    # one of them while rank 0 waits in the next)
+    r0, r1 = run_ranks(_calibrating_rank, 2, args=(True, (0, 20_000), 60_000, 0, True, 1), timeout=240,
+                       pg_timeout=60)
+    assert r0["decision"] == r1["decision"] and r0["decision"][1]  # the agreed decision chose some
+    assert r0["persisted"] == r1["persisted"] == []
+    assert r0["summary"]["persistent"] == r1["summary"]["persistent"] == 0
+    assert all(run["same"] for r in (r0, r1) for run in r["runs"])
 
 
 def test_measured_room_lets_prefetches_through_and_an_overshoot_lowers_every_gate():
