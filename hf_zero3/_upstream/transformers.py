@@ -24,6 +24,12 @@ ENCODER_HOOKS = ("_maybe_prepare_encoder_kwargs_for_generation", "_prepare_encod
 #: Where transformers decides to decode with its compiled forward (lockstep's compiled decode
 #: overrides it: compile only inside a whole-model region, see hf_zero3.generation.compiled_decode).
 COMPILE_HOOK = "_valid_auto_compile_criteria"
+#: transformers' sampling/greedy loop, and the arguments it is called with: lockstep's compiled
+#: decode takes it over with hf_zero3's static loop (hf_zero3.generation.graph_decode) and hands
+#: every case that loop cannot do exactly back to it.
+SAMPLE_HOOK = "_sample"
+SAMPLE_PARAMS = ("self", "input_ids", "logits_processor", "stopping_criteria", "generation_config", "synced_gpus",
+                 "streamer", "model_kwargs")
 
 
 def generation_config_field(name: str) -> bool:

@@ -338,7 +338,7 @@ class Zero3GenerationMixin:
         return True
 
     def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
-                streamer=None, **model_kwargs):
+                streamer=None, **model_kwargs):  # hf_up.SAMPLE_HOOK
         call = _call_of(self)
         if (call is not None and call.phase == "decoding" and call.compile
                 and self._valid_auto_compile_criteria(model_kwargs, generation_config)):

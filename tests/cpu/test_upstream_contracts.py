@@ -158,6 +158,14 @@ def test_transformers_generation_hooks_and_length_argument():
     # compiled decode: the hook lockstep overrides (model_kwargs, generation_config) and the field it sets
     params = list(inspect.signature(getattr(GenerationMixin, hf_up.COMPILE_HOOK)).parameters)
     assert params == ["self", "model_kwargs", "generation_config"]
+    # the static decode loop: the loop it takes over, its arguments, the internals it reads
+    assert tuple(inspect.signature(getattr(GenerationMixin, hf_up.SAMPLE_HOOK)).parameters) == hf_up.SAMPLE_PARAMS
+    from transformers.cache_utils import StaticLayer
+    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+    assert {"max_length"} <= set(inspect.signature(MaxLengthCriteria).parameters)
+    assert hasattr(EosTokenCriteria(eos_token_id=2), "eos_token_id")
+    assert "max_cache_len" in inspect.signature(StaticLayer).parameters
     assert hf_up.generation_config_field("max_cache_len") and not hf_up.generation_config_field("no_such_field")
 
 
