@@ -38,16 +38,14 @@ _SAID: set = set()
 
 
 def _say(reason: str, loud: bool) -> None:
-    if reason not in _SAID:
-        _SAID.add(reason)
-        (log.warning if loud else log.info)("hf_zero3 lockstep: eager decoding: %s", reason)
+    say_once(f"eager decoding: {reason}", loud)
 
 
-def say_once(message: str) -> None:
-    """One info line per distinct message (a fallback inside compiled decoding)."""
+def say_once(message: str, loud: bool = False) -> None:
+    """One log line per distinct message (why decoding fell back), a warning when ``loud``."""
     if message not in _SAID:
         _SAID.add(message)
-        log.info("hf_zero3 lockstep: %s", message)
+        (log.warning if loud else log.info)("hf_zero3 lockstep: %s", message)
 
 
 def _gen_value(model, kwargs: dict, name: str, default=None):
