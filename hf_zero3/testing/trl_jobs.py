@@ -141,21 +141,26 @@ class ScriptedQwen2ForCausalLM(Qwen2ForCausalLM):
         if stats is None:
             stats = self.generate_stats = {"calls": 0, "forwards": 0, "per_call": []}
         stats["calls"] += 1
-        before = stats["forwards"]
         if self.script is not None:
             prompt_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
             kwargs["logits_processor"] = LogitsProcessorList(
                 [*(kwargs.get("logits_processor") or []), self.script.processor(prompt_ids)])
 
+        # a tensor, not a Python int: a compiled decode step (Dynamo) would otherwise recompile on
+        # every count, and a replayed CUDA graph counts as an eager forward does
+        counter = torch.zeros((), dtype=torch.long, device=next(self.parameters()).device)
+
         def count(*_):
-            stats["forwards"] += 1
+            counter.add_(1)
 
         handle = self.register_forward_pre_hook(count)
         try:
             return super().generate(*args, **kwargs)
         finally:
             handle.remove()
-            stats["per_call"].append(stats["forwards"] - before)
+            n = int(counter)
+            stats["forwards"] += n
+            stats["per_call"].append(n)
 
 
 def _model(tokenizer, *, script: str | None = None, teacher: bool = False, seed: int = 0):
