@@ -93,6 +93,7 @@ def rank_main():
                              loop=getattr(stats, "loop", None) if name.startswith("hf_zero3") else None,
                              graph_steps=getattr(stats, "graph_steps", None) if name.startswith("hf_zero3") else None,
                              forwards=getattr(stats, "forwards", None), compiles=getattr(stats, "compiles", None),
+                             capture_s=getattr(stats, "graph_capture_s", None) if name.startswith("hf_zero3") else None,
                              weight_bytes=n_bytes))
             if rank == 0:  # as it is measured: a run cut short keeps its rows
                 print("measured", rows[-1], flush=True)
@@ -125,7 +126,7 @@ def main():
     setup = dict(world=world, max_new_tokens=MAX_NEW, prompt=PROMPT, batches=BATCHES)
     path = save("decode", {"setup": setup, "rows": rows}, HERE)
     print(setup)
-    print(table(rows, ["batch", "config", "decode", "loop", "graph_steps", "forwards", "seconds", "tokens_per_s", "compile_s", "fraction_of_floor",
+    print(table(rows, ["batch", "config", "decode", "loop", "graph_steps", "forwards", "seconds", "capture_s", "tokens_per_s", "compile_s", "fraction_of_floor",
                        "vs_hf_eager_gathered", "vs_hf_static"]))
     print(f"raw numbers: {path}")
 

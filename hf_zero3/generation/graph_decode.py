@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import time
 import weakref
 
 import torch
@@ -227,6 +228,7 @@ class _Runner:
         self.graph_steps = graph_steps if loop.prompt.is_cuda and loop.model not in _NO_GRAPHS else 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.warm = False
+        self.capture_s = 0.0  # host seconds spent capturing this call's graphs
 
     def _first(self) -> None:
         side = torch.cuda.Stream() if self.graph_steps else None
@@ -241,11 +243,13 @@ class _Runner:
         self.warm = True
 
     def _capture(self, n: int) -> "torch.cuda.CUDAGraph":
+        t = time.perf_counter()
         g = torch.cuda.CUDAGraph()
         pool = next(iter(self.graphs.values())).pool() if self.graphs else None
         with torch.cuda.graph(g, pool=pool):
             for _ in range(n):
                 self.loop.step()
+        self.capture_s += time.perf_counter() - t
         return g
 
     def run(self, n: int) -> None:
@@ -289,4 +293,5 @@ def decode(model, call, input_ids, logits_processor, stopping_criteria, generati
         tokens = nxt
     out, done_at = loop.result(tokens)
     call.finish_loop(tokens, done_at, compiled=loop.compiled, graph_steps=runner.graph_steps)
+    call.stats.graph_capture_s = runner.capture_s
     return out

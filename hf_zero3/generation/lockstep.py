@@ -111,6 +111,7 @@ class LockstepStats:
     loop: str = "transformers"  # whose decode loop ran: "transformers" or "hf_zero3" (static buffers)
     loop_reason: str | None = None  # why compiled decoding kept transformers' loop
     graph_steps: int = 0       # decode steps per CUDA-graph launch (0: no CUDA graphs)
+    graph_capture_s: float = 0.0  # host seconds the call spent capturing its CUDA graphs
 
 
 class _Call:
