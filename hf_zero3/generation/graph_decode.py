@@ -91,10 +91,19 @@ def unsupported(model, logits_processor, stopping_criteria, generation_config, s
     cache = model_kwargs.get("past_key_values")
     if cache is None or not _static_layers(cache):
         return "the cache is not transformers' StaticCache (StaticLayer layers)"
-    room = min(layer.max_cache_len for layer in cache.layers)
+    room = _cache_length(cache)
     if length > room:
         return f"the static cache holds {room} tokens, fewer than prompt + new tokens ({length})"
     return None
+
+
+def _cache_length(cache) -> int:
+    """Tokens every layer of a static cache holds."""
+    return min(layer.max_cache_len for layer in cache.layers)
+
+
+def _why(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
 
 
 def failure(model) -> str | None:
@@ -127,17 +136,16 @@ class _Loop:
     """The static state of one call and the steps that update it in place."""
 
     def __init__(self, model, input_ids, processors, generation_config, stopping_criteria, model_kwargs, budget):
-        self.model, self.processors, self.budget = model, processors, budget
+        self.model, self.processors = model, processors
         self.cache = model_kwargs["past_key_values"]
         dev = input_ids.device
         b, p = input_ids.shape
         self.prompt = input_ids
-        self.length = min(layer.max_cache_len for layer in self.cache.layers)
         mask = model_kwargs.get("attention_mask")
         mask = torch.ones_like(input_ids) if mask is None else mask.to(torch.long)
         self.prompt_mask = mask
         # the cache's whole length: prompt padding, then every position a decode step may fill
-        self.mask = torch.ones(b, self.length, dtype=torch.long, device=dev)
+        self.mask = torch.ones(b, _cache_length(self.cache), dtype=torch.long, device=dev)
         self.mask[:, :p] = mask
         positions = model_kwargs.get("position_ids")  # transformers' (from the mask), or the caller's
         if positions is None:
@@ -180,7 +188,7 @@ class _Loop:
             # a hook with Python state, say): this step and the rest run the forward eagerly
             if not self.compiled:
                 raise
-            why = f"the forward does not compile into one graph ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+            why = f"the forward does not compile into one graph ({_why(exc)})"
             _FAILED[self.model] = why
             log.warning("hf_zero3 lockstep: static loop without torch.compile: %s", why)
             self.call, self.compiled = type(self.model).__call__, False
@@ -266,7 +274,7 @@ class _Runner:
                 try:
                     self.graphs[size] = self._capture(size)
                 except RuntimeError as exc:  # an op that syncs the host cannot be captured; nothing ran
-                    _NO_GRAPHS[self.loop.model] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                    _NO_GRAPHS[self.loop.model] = _why(exc)
                     log.warning("hf_zero3 lockstep: decode steps not captured as CUDA graphs: %s",
                                 _NO_GRAPHS[self.loop.model])
                     self.graph_steps = 0
@@ -292,6 +300,6 @@ def decode(model, call, input_ids, logits_processor, stopping_criteria, generati
         runner.run(nxt - tokens)
         tokens = nxt
     out, done_at = loop.result(tokens)
-    call.finish_loop(tokens, done_at, compiled=loop.compiled, graph_steps=runner.graph_steps)
-    call.stats.graph_capture_s = runner.capture_s
+    call.finish_loop(tokens, done_at, compiled=loop.compiled, graph_steps=runner.graph_steps,
+                     capture_s=runner.capture_s)
     return out

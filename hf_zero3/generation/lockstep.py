@@ -219,7 +219,8 @@ class _Call:
         (any_unfinished,) = self._agree("generate.step", [1 if unfinished else 0])
         return any_unfinished == 1
 
-    def finish_loop(self, forwards: int, done_at: int | None, *, compiled: bool, graph_steps: int) -> None:
+    def finish_loop(self, forwards: int, done_at: int | None, *, compiled: bool, graph_steps: int,
+                    capture_s: float = 0.0) -> None:
         """hf_zero3's static loop ran ``forwards`` forwards (see :mod:`.graph_decode`)."""
         if self.rt.join is not None:
             done_at = 0  # a joining rank's rows are placeholders, done from the start
@@ -227,6 +228,7 @@ class _Call:
         self.stats.extra_forwards = forwards - (done_at if done_at is not None else forwards)
         self.stats.loop = "hf_zero3"
         self.stats.graph_steps = graph_steps
+        self.stats.graph_capture_s = capture_s
         if not compiled:
             self.stats.decode = "eager"
             self.stats.decode_reason = graph_decode.failure(self.model)

@@ -1,4 +1,5 @@
-"""Record which collectives a rank issues, on which group, while the real ones run."""
+"""Record which collectives a rank issues, on which group, and how many forwards a module runs,
+while the real ones run."""
 
 from __future__ import annotations
 
@@ -61,3 +62,26 @@ class CollectiveSpy:
 
         full = tuple(range(dist.get_world_size()))
         return sum(n for (op, g), n in self.calls.items() if g == "WORLD" or g == full)
+
+
+class ForwardCounter:
+    """Counts top-level forwards of a module (decode steps, prefill included), in a tensor: a
+    compiled forward (Dynamo would recompile on a Python int that changes) and a replayed CUDA
+    graph count as an eager one does. ``remove()`` takes the hook off."""
+
+    def __init__(self, module):
+        import torch
+
+        self.n = torch.zeros((), dtype=torch.long, device=next(module.parameters()).device)
+        self.handle = module.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args):
+        self.n.add_(1)
+
+    def take(self) -> int:
+        n = int(self.n)
+        self.n.zero_()
+        return n
+
+    def remove(self) -> None:
+        self.handle.remove()

@@ -28,6 +28,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, Qwen2ForCausalLM,
 
 from . import models
 from .configs import trainer_zero3_config
+from .spy import ForwardCounter
 
 #: The completion rank 0 is forced to produce under ``RankScript("tool")``.
 TOOL_CALL = '<tool_call>{"name":"ping","arguments":{}}</tool_call>'
@@ -146,19 +147,12 @@ class ScriptedQwen2ForCausalLM(Qwen2ForCausalLM):
             kwargs["logits_processor"] = LogitsProcessorList(
                 [*(kwargs.get("logits_processor") or []), self.script.processor(prompt_ids)])
 
-        # a tensor, not a Python int: a compiled decode step (Dynamo) would otherwise recompile on
-        # every count, and a replayed CUDA graph counts as an eager forward does
-        counter = torch.zeros((), dtype=torch.long, device=next(self.parameters()).device)
-
-        def count(*_):
-            counter.add_(1)
-
-        handle = self.register_forward_pre_hook(count)
+        counter = ForwardCounter(self)
         try:
             return super().generate(*args, **kwargs)
         finally:
-            handle.remove()
-            n = int(counter)
+            counter.remove()
+            n = counter.take()
             stats["forwards"] += n
             stats["per_call"].append(n)
 

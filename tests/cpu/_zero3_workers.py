@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import torch
+from hf_zero3.testing.spy import ForwardCounter  # noqa: F401 - imported from here by the tests
 
 
 def build_engine(config_fn_name: str = "tiny_llama_config", *, hf_aware: bool = True, seed: int = 0,
@@ -27,18 +27,3 @@ def build_engine(config_fn_name: str = "tiny_llama_config", *, hf_aware: bool = 
     return engine, models.unsharded_copy(engine.module)
 
 
-class ForwardCounter:
-    """Counts top-level forwards of a module (decode steps, prefill included), in a tensor: a
-    compiled forward (Dynamo) and a replayed CUDA graph count as an eager one does."""
-
-    def __init__(self, module):
-        self.n = torch.zeros((), dtype=torch.long, device=next(module.parameters()).device)
-        self.handle = module.register_forward_pre_hook(self._hook)
-
-    def _hook(self, module, args):
-        self.n.add_(1)
-
-    def take(self) -> int:
-        n = int(self.n)
-        self.n.zero_()
-        return n
