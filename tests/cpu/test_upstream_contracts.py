@@ -169,6 +169,26 @@ def test_transformers_generation_hooks_and_length_argument():
     assert hf_up.generation_config_field("max_cache_len") and not hf_up.generation_config_field("no_such_field")
 
 
+def test_transformers_attention_registries_take_a_named_decode_attention():
+    import torch
+    from transformers.cache_utils import StaticLayer
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    def probe(*args, **kwargs):
+        return None, None
+
+    hf_up.register_attention("hf_zero3_contract_probe", probe)
+    assert ALL_ATTENTION_FUNCTIONS["hf_zero3_contract_probe"] is probe
+    assert ALL_MASK_ATTENTION_FUNCTIONS["hf_zero3_contract_probe"] is sdpa_mask
+    assert callable(hf_up.sdpa_attention())
+    # the length counter graph_decode hands back to a new cache: a one-element tensor per layer
+    layer = StaticLayer(max_cache_len=8)
+    assert isinstance(layer.cumulative_length, torch.Tensor) and layer.cumulative_length.numel() == 1
+    layer.update(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4))
+    assert int(layer.cumulative_length) == 3 and layer.keys.shape == (1, 2, 8, 4)
+
+
 def test_dynamo_graph_counter_counts_a_compile():
     import torch
 

@@ -1,0 +1,73 @@
+"""The static loop's decode attention (GQA heads grouped, the KV cache read once) against
+transformers' own eager and SDPA attention on a real Llama attention module, fp32."""
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def attn():
+    from hf_zero3.testing import models
+
+    model = models.plain_model(models.tiny_llama_config())  # 4 query heads, 2 key/value heads
+    return model, model.model.layers[0].self_attn
+
+
+def _inputs(seed=0, q_len=1, length=10, batch=3):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, 4, q_len, 8, generator=g)
+    k = torch.randn(batch, 2, length, 8, generator=g)
+    v = torch.randn(batch, 2, length, 8, generator=g)
+    keep = torch.ones(batch, 1, q_len, length, dtype=torch.bool)
+    keep[0, ..., :3] = False  # left padding
+    keep[1, ..., 7:] = False  # cache slots not filled yet
+    return q, k, v, keep
+
+
+def test_decode_attention_equals_transformers_eager_and_sdpa(attn):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    from hf_zero3.generation.decode_attention import attention
+
+    _, module = attn
+    q, k, v, keep = _inputs()
+    additive = torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+    ours, weights = attention(module, q, k, v, keep, scaling=module.scaling)
+    eager, _ = eager_attention_forward(module, q, k, v, additive, scaling=module.scaling)
+    sdpa, _ = sdpa_attention_forward(module, q, k, v, keep, scaling=module.scaling)
+    assert weights is None and ours.shape == eager.shape == (3, 1, 4, 8)
+    torch.testing.assert_close(ours, eager, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours, sdpa, rtol=1e-5, atol=1e-6)
+    # an additive (eager-style) mask gives the same result as the boolean one
+    torch.testing.assert_close(attention(module, q, k, v, additive, scaling=module.scaling)[0], ours)
+
+
+def test_other_shapes_are_transformers_sdpa(attn):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from hf_zero3.generation.decode_attention import attention
+
+    _, module = attn
+    q, k, v, keep = _inputs(q_len=4)  # a prompt, not one decode token
+    torch.testing.assert_close(attention(module, q, k, v, keep, scaling=module.scaling)[0],
+                               sdpa_attention_forward(module, q, k, v, keep, scaling=module.scaling)[0])
+
+
+def test_applies_only_to_gqa_models_and_use_restores_the_config(attn):
+    from hf_zero3.generation import decode_attention
+    from hf_zero3.testing import models
+
+    model, _ = attn
+    assert decode_attention.applies(model)
+    mha = models.plain_model(models.tiny_llama_config(num_key_value_heads=4))
+    assert not decode_attention.applies(mha)
+    before = model.config._attn_implementation
+    with pytest.raises(RuntimeError, match="inside"):
+        with decode_attention.use(model):
+            assert model.config._attn_implementation == decode_attention.NAME
+            ids = torch.tensor([[3, 4, 5]])
+            with torch.no_grad():
+                model(input_ids=ids)  # a prompt through the registered name: SDPA, with its mask
+            raise RuntimeError("inside")
+    assert model.config._attn_implementation == before
