@@ -5,7 +5,8 @@ Public API (imported lazily, so ``import hf_zero3`` stays cheap):
 * :class:`Zero3Safe` - the ``transformers.Trainer`` callback: eval, predict and generate work
   under DeepCompile ZeRO-3 and generation runs in lockstep.
 * :func:`eval_forward` - the same protection for forwards outside the Trainer.
-* :func:`lockstep`, :func:`lockstep_generate`, :class:`Zero3GenerationMixin` - lockstep generation.
+* :func:`lockstep`, :func:`lockstep_generate`, :class:`Zero3GenerationMixin` - lockstep generation;
+  :func:`release_decode_graphs` frees what its compiled decoding keeps between calls.
 * :func:`gathered_forwards` - the gather-all / layer-wise region both build on.
 * :class:`Zero3DeepSpeedPlugin`, :func:`enable_memory_plan` - DeepCompile's memory-budgeted
   prefetch plan through accelerate; :func:`compile_with_memory_plan` for a bare engine;
@@ -20,6 +21,7 @@ _LAZY = {
     "lockstep_generate": "hf_zero3.generation",
     "Zero3GenerationMixin": "hf_zero3.generation",
     "LockstepConfig": "hf_zero3.generation",
+    "release_decode_graphs": "hf_zero3.generation",
     "gathered_forwards": "hf_zero3.gathering",
     "Zero3DeepSpeedPlugin": "hf_zero3.accelerate",
     "enable_memory_plan": "hf_zero3.accelerate",

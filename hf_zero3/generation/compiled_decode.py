@@ -14,13 +14,11 @@ agreed stops are transformers' and ours as in eager decoding; only the forward i
   says why once (``hf_zero3_last_generate.decode_reason``; one log line).
 * **No recompiles across calls.** The static cache is sized to the prompt + new tokens rounded up
   to ``bucket`` tokens (transformers keeps the largest size seen, so later calls of any length up
-  to it reuse the compiled step); leaving and re-entering the gathered region gives the
+  to it reuse the compiled step); leaving and re-entering the gathered region may give the
   parameters new storage of the same shape, which the compiled step's guards accept. A second
   batch size compiles once more (Dynamo marks the batch dimension dynamic); later sizes reuse it.
-  ``hf_zero3_last_generate.compiles`` counts the Dynamo graphs a call compiled. Not yet measured:
-  on CUDA transformers compiles with ``mode="reduce-overhead"`` (CUDA graphs), and new parameter
-  storage at each region entry may make the graphs re-record once per call (which that counter
-  does not show); ``benchmarks/generation/bench_decode.py`` times the second call to see it.
+  ``hf_zero3_last_generate.compiles`` counts the Dynamo graphs a call compiled. Inside, hf_zero3's
+  static loop (:mod:`.graph_decode`) replaces transformers' per-token Python loop where it is exact.
 """
 
 from __future__ import annotations

@@ -17,6 +17,18 @@ agreed step budget, a stop agreement every ``sync_every`` steps (``stop="sync"``
 and the same output (a rank's output ends where its own rows were all done). Ranks that take
 this loop and ranks that take transformers' issue the same agreements at the same steps.
 
+Across calls: the loop (its static buffers and CUDA graphs) is kept per model and shape (batch,
+cache length, sampling, processors and their values, EOS ids; at most ``KEEP`` per model) and a
+later call replays its graphs only while everything a replayed graph reads is what it was captured
+with: the parameters' and buffers' storage, every tensor of the static cache, and the model's
+plain state (``training`` flags, PEFT adapter switches, hook counts, config fields: what the
+compiled forward's guards would check). Gathered parameters land at the same addresses from one
+region to the next when the allocation sequence repeats (measured on one H200: back to back, after
+a layer-wise forward, after a training step); when anything moved, the call captures anew. Kept
+graphs hold their memory pool (one decode step's temporaries) until
+:func:`release` (``hf_zero3.release_decode_graphs``). Grouped-query models decode with
+:mod:`.decode_attention` (the KV cache read once per step, not once per query head).
+
 It runs only where it is exact; anything else decodes through transformers (compiled or eager),
 with the reason in ``hf_zero3_last_generate.loop_reason``: logits processors or stopping criteria
 other than the tensor-only ones below, a streamer, ``return_dict_in_generate``, extra model
@@ -27,6 +39,7 @@ Python: forward hooks on the model run when a step is captured, not when it is r
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import inspect
 import logging
@@ -35,7 +48,9 @@ import weakref
 
 import torch
 
-__all__ = ["GRAPH_SAFE_PROCESSORS", "GRAPH_SAFE_CRITERIA", "unsupported", "decode", "failure"]
+from . import decode_attention
+
+__all__ = ["GRAPH_SAFE_PROCESSORS", "GRAPH_SAFE_CRITERIA", "unsupported", "decode", "failure", "release"]
 
 log = logging.getLogger("hf_zero3.generation")
 
@@ -51,6 +66,8 @@ _COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.Fai
 _COMPILED: dict = {}  # model class -> its compiled __call__
 _FAILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> why its forward did not compile
 _NO_GRAPHS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> why its steps were not captured
+_LOOPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {shape: (addresses/state, _Loop)}
+KEEP = 2  # loops (static buffers and CUDA graphs) kept per model
 
 
 def _static_layers(cache) -> bool:
@@ -133,42 +150,84 @@ def _eos_ids(stopping_criteria, device) -> torch.Tensor | None:
 
 
 class _Loop:
-    """The static state of one call and the steps that update it in place."""
+    """The static buffers of one (model, batch, cache length, options) and the CUDA graphs of its
+    decode steps, kept across calls (see :func:`_loop_for`); per call, :meth:`start` fills them in
+    place and :meth:`end` drops the call's objects (the model among them: a kept loop holds none)."""
 
-    def __init__(self, model, input_ids, processors, generation_config, stopping_criteria, model_kwargs, budget):
+    def __init__(self, batch: int, length: int, device, eos: torch.Tensor | None, sample: bool):
+        self.mask = torch.ones(batch, length, dtype=torch.long, device=device)
+        self.pos = torch.zeros(batch, dtype=torch.long, device=device)
+        self.tok = torch.zeros(batch, dtype=torch.long, device=device)
+        self.idx = torch.zeros(1, dtype=torch.long, device=device)
+        self.unfinished = torch.ones(batch, dtype=torch.bool, device=device)
+        self.eos = eos
+        self.own = torch.zeros((), dtype=torch.long, device=device)
+        self.pad = torch.zeros((), dtype=torch.long, device=device)
+        self.out = torch.zeros(batch, length, dtype=torch.long, device=device)  # a call's tokens, at most length
+        self.alive = torch.ones(length, dtype=torch.bool, device=device)
+        self.sample = sample
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # steps per graph -> graph
+        self.cache_ptrs = None  # the cache tensors the graphs were captured with
+        self.cache_small = None  # per layer, its small tensors (length counters) the graphs read
+        self.warm = False  # a step ran (compiled, warmed up for capture) in this or an earlier call
+        self.compiled = True
+        self.model = self.cache = self.prompt = self.processors = None
+
+    def start(self, model, input_ids, processors, generation_config, stopping_criteria, model_kwargs, budget):
         self.model, self.processors = model, processors
         self.cache = model_kwargs["past_key_values"]
-        dev = input_ids.device
         b, p = input_ids.shape
         self.prompt = input_ids
         mask = model_kwargs.get("attention_mask")
         mask = torch.ones_like(input_ids) if mask is None else mask.to(torch.long)
         self.prompt_mask = mask
         # the cache's whole length: prompt padding, then every position a decode step may fill
-        self.mask = torch.ones(b, _cache_length(self.cache), dtype=torch.long, device=dev)
+        self.mask.fill_(1)
         self.mask[:, :p] = mask
         positions = model_kwargs.get("position_ids")  # transformers' (from the mask), or the caller's
         if positions is None:
             positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
         self.prompt_positions = positions.expand(b, -1)
-        self.pos = torch.empty(b, dtype=torch.long, device=dev).copy_(self.prompt_positions[:, -1])  # dense strides
-        self.tok = torch.zeros(b, dtype=torch.long, device=dev)
-        self.idx = torch.zeros(1, dtype=torch.long, device=dev)
-        self.unfinished = torch.ones(b, dtype=torch.bool, device=dev)
-        self.eos = _eos_ids(stopping_criteria, dev)
+        self.pos.copy_(self.prompt_positions[:, -1])
+        self.idx.zero_()
+        self.unfinished.fill_(True)
         # this rank's own step budget (its max_length), which may be below the group's agreed one:
         # its rows are done there, as transformers' MaxLengthCriteria has them
         lengths = [c.max_length for c in stopping_criteria or () if type(c).__name__ == "MaxLengthCriteria"]
-        own = min([budget] + [int(n) - p for n in lengths])
-        self.own = torch.tensor(own, dtype=torch.long, device=dev)
+        self.own.fill_(min([budget] + [int(n) - p for n in lengths]))
         pad = generation_config._pad_token_tensor
-        self.pad = (pad if pad is not None else torch.tensor(0)).to(dev, torch.long).flatten()[0]
-        self.out = torch.full((b, budget), int(self.pad), dtype=torch.long, device=dev)
-        self.alive = torch.ones(budget, dtype=torch.bool, device=dev)
-        self.sample = bool(generation_config.do_sample)
+        self.pad.copy_((pad if pad is not None else torch.tensor(0)).flatten()[0])
+        self.out[:, :budget].fill_(self.pad)
+        self.alive.fill_(True)
         self.extra = _forward_kwargs(model)
-        self.call = _compiled_call(type(model))  # called as call(model, ...)
-        self.compiled = True
+        self.call = _compiled_call(type(model)) if self.compiled else type(model).__call__  # call(model, ...)
+        self.gqa = decode_attention.applies(model)
+
+    def end(self) -> None:
+        self.model = self.cache = self.prompt = self.processors = self.call = None
+        self.prompt_mask = self.prompt_positions = None
+
+    def bind_cache(self) -> None:
+        """After the prefill (a static cache allocates its tensors at its first update): graphs
+        captured with other cache tensors are dropped. Every tensor a layer holds counts, not only
+        its keys and values: transformers 5.17 builds a new cache each call, whose keys and values
+        usually land where the last call's were (the same allocation sequence) while its one-element
+        length counters need not. Those small tensors are handed back the ones the graphs read
+        (their values copied in), so a new cache at the old keys and values replays the graphs."""
+        if self.cache_small is not None:
+            for layer, small in zip(self.cache.layers, self.cache_small):
+                for name, kept in small.items():
+                    now = vars(layer).get(name)
+                    if (isinstance(now, torch.Tensor) and now is not kept and now.shape == kept.shape
+                            and now.dtype == kept.dtype and now.device == kept.device):
+                        kept.copy_(now)
+                        setattr(layer, name, kept)
+        ptrs = tuple(_tensor_ptrs(layer) for layer in self.cache.layers) + (_tensor_ptrs(self.cache),)
+        if ptrs != self.cache_ptrs:
+            self.graphs.clear()
+            self.cache_ptrs = ptrs
+            self.cache_small = [{k: v for k, v in vars(layer).items() if isinstance(v, torch.Tensor) and v.numel() <= 16}
+                                for layer in self.cache.layers]
 
     def prefill(self) -> None:
         """The prompt's forward (eager, as transformers does it) and the first token."""
@@ -181,18 +240,19 @@ class _Loop:
         self.pos.add_(1)
         kwargs = dict(input_ids=self.tok.view(-1, 1), attention_mask=self.mask, position_ids=self.pos.view(-1, 1),
                       past_key_values=self.cache, use_cache=True, **self.extra)
-        try:
-            out = self.call(self.model, **kwargs)
-        except _COMPILE_ERRORS as exc:
-            # Dynamo/inductor failed before running a kernel (a graph break, the recompile limit:
-            # a hook with Python state, say): this step and the rest run the forward eagerly
-            if not self.compiled:
-                raise
-            why = f"the forward does not compile into one graph ({_why(exc)})"
-            _FAILED[self.model] = why
-            log.warning("hf_zero3 lockstep: static loop without torch.compile: %s", why)
-            self.call, self.compiled = type(self.model).__call__, False
-            out = self.call(self.model, **kwargs)
+        with decode_attention.use(self.model, self.gqa):
+            try:
+                out = self.call(self.model, **kwargs)
+            except _COMPILE_ERRORS as exc:
+                # Dynamo/inductor failed before running a kernel (a graph break, the recompile limit:
+                # a hook with Python state, say): this step and the rest run the forward eagerly
+                if not self.compiled:
+                    raise
+                why = f"the forward does not compile into one graph ({_why(exc)})"
+                _FAILED[self.model] = why
+                log.warning("hf_zero3 lockstep: static loop without torch.compile: %s", why)
+                self.call, self.compiled = type(self.model).__call__, False
+                out = self.call(self.model, **kwargs)
         self._choose(out.logits[:, -1])
 
     def _choose(self, logits: torch.Tensor) -> None:
@@ -224,19 +284,106 @@ class _Loop:
         return torch.cat([self.prompt, self.out[:, :own]], dim=-1), done_at
 
 
-class _Runner:
-    """Runs decode steps: the first one uncaptured (it compiles the forward, and it is the warm-up
-    CUDA-graph capture needs; a real step, its token kept), the rest replayed from CUDA graphs of
-    up to ``graph_steps`` steps, each size captured once per call (CUDA), or one by one (CPU, or
-    ``graph_steps=0``). Graphs are captured per call: the gathered parameters get new storage at
-    every region entry, and a graph holds the addresses it was captured with."""
+_SCALARS = (bool, int, float, str, type(None))
 
-    def __init__(self, loop: _Loop, graph_steps: int):
+
+def _tensor_ptrs(obj) -> tuple:
+    """(name, address) of every tensor attribute of ``obj``."""
+    return tuple((k, v.data_ptr()) for k, v in sorted(vars(obj).items()) if isinstance(v, torch.Tensor))
+
+
+def _plain_state(obj) -> tuple | None:
+    """An object's plain attributes (flags, names, sizes: what Dynamo specializes a graph on)."""
+    items = []
+    for k, v in vars(obj).items():
+        if type(v) in _SCALARS:
+            items.append((k, v))
+        elif isinstance(v, (list, tuple)) and all(type(x) is str for x in v):
+            items.append((k, tuple(v)))
+    return tuple(items)
+
+
+def _module_state(model) -> tuple:
+    """What a replayed graph cannot re-check and a compiled forward would (its guards): every
+    module's flags and plain attributes (``training``, PEFT's active/disabled adapters), its hook
+    counts, and the config's plain fields. DeepSpeed's own counters (``ds_*``) are left out."""
+    state = []
+    for m in model.modules():
+        state.append(tuple(kv for kv in _plain_state(m) if not kv[0].startswith("ds_")))
+        state.append((len(m._forward_hooks), len(m._forward_pre_hooks)))
+    config = getattr(model, "config", None)
+    if config is not None:
+        state.append(_plain_state(config))
+    return tuple(state)
+
+
+def _loop_key(model, input_ids, processors, generation_config, eos, cache) -> tuple[tuple, tuple] | None:
+    """(what a loop's buffers and graphs are shaped by, the addresses and state they were captured
+    with); None when a processor holds something other than plain values (its graph would bake
+    in a tensor the next call may not pass again)."""
+    procs = []
+    for p in processors or ():
+        if any(type(v) not in _SCALARS for v in vars(p).values()):
+            return None
+        procs.append((type(p).__name__, tuple(sorted(vars(p).items()))))
+    dev = input_ids.device
+    shape = (type(model), input_ids.shape[0], _cache_length(cache), str(dev), bool(generation_config.do_sample),
+             tuple(procs), None if eos is None else tuple(eos.tolist()))
+    where = (tuple(t.data_ptr() for t in model.parameters()), tuple(t.data_ptr() for t in model.buffers()),
+             tuple(t.dtype for t in model.parameters()), torch.is_autocast_enabled(dev.type), _module_state(model))
+    return shape, where
+
+
+def _loop_for(model, input_ids, processors, generation_config, stopping_criteria, cache) -> tuple[_Loop, bool]:
+    """(the loop for this call, whether an earlier call's); at most ``KEEP`` per model, most recent
+    first, and one per shape: a loop whose addresses or state no longer match is replaced."""
+    eos = _eos_ids(stopping_criteria, input_ids.device)
+    key = _loop_key(model, input_ids, processors, generation_config, eos, cache)
+    b, dev = input_ids.shape[0], input_ids.device
+    if key is None:
+        return _Loop(b, _cache_length(cache), dev, eos, bool(generation_config.do_sample)), False
+    shape, where = key
+    kept = _LOOPS.setdefault(model, collections.OrderedDict())
+    entry = kept.get(shape)
+    if entry is not None and entry[0] == where:
+        kept.move_to_end(shape)
+        return entry[1], True
+    loop = _Loop(b, _cache_length(cache), dev, eos, bool(generation_config.do_sample))
+    kept[shape] = (where, loop)
+    kept.move_to_end(shape)
+    while len(kept) > KEEP:
+        kept.popitem(last=False)
+    return loop, False
+
+
+def _forget(model, loop: _Loop) -> None:
+    kept = _LOOPS.get(model, {})
+    for shape in [s for s, (_, held) in kept.items() if held is loop]:
+        del kept[shape]
+
+
+def release(model=None) -> None:
+    """Free the static buffers and CUDA graphs the loop keeps for ``model`` (every model: None)."""
+    if model is None:
+        _LOOPS.clear()
+    else:
+        _LOOPS.pop(model, None)
+
+
+class _Runner:
+    """Runs one call's decode steps. A loop's first step ever runs uncaptured (it compiles the
+    forward, and it is the warm-up CUDA-graph capture needs; a real step, its token kept); on CUDA
+    the rest replay CUDA graphs of ``graph_steps`` steps and of one step (for the remainders),
+    each captured once per loop and replayed by later calls while the parameters, the cache and
+    the model's state are those they were captured with; on CPU, or with ``graph_steps=0``, steps
+    run one by one."""
+
+    def __init__(self, loop: _Loop, graph_steps: int, model):
         self.loop = loop
-        self.graph_steps = graph_steps if loop.prompt.is_cuda and loop.model not in _NO_GRAPHS else 0
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.warm = False
+        self.graph_steps = graph_steps if loop.mask.is_cuda and model not in _NO_GRAPHS and loop.compiled else 0
         self.capture_s = 0.0  # host seconds spent capturing this call's graphs
+        self.captured: set[int] = set()
+        self.reused = False  # replayed a graph an earlier call captured
 
     def _first(self) -> None:
         side = torch.cuda.Stream() if self.graph_steps else None
@@ -248,20 +395,23 @@ class _Runner:
             torch.cuda.current_stream().wait_stream(side)
         if not self.loop.compiled:
             self.graph_steps = 0  # an eager forward may sync the host: no capture
-        self.warm = True
+        self.loop.warm = True
 
     def _capture(self, n: int) -> "torch.cuda.CUDAGraph":
         t = time.perf_counter()
         g = torch.cuda.CUDAGraph()
-        pool = next(iter(self.graphs.values())).pool() if self.graphs else None
+        graphs = self.loop.graphs
+        pool = next(iter(graphs.values())).pool() if graphs else None
         with torch.cuda.graph(g, pool=pool):
             for _ in range(n):
                 self.loop.step()
         self.capture_s += time.perf_counter() - t
+        graphs[n] = g
+        self.captured.add(n)
         return g
 
     def run(self, n: int) -> None:
-        if n > 0 and not self.warm:
+        if n > 0 and not self.loop.warm:
             self._first()
             n -= 1
         while n > 0:
@@ -269,17 +419,21 @@ class _Runner:
                 self.loop.step()
                 n -= 1
                 continue
-            size = min(self.graph_steps, n)  # sizes: graph_steps, the stretch between agreements, a remainder
-            if size not in self.graphs:
+            size = self.graph_steps if n >= self.graph_steps else 1
+            g = self.loop.graphs.get(size)
+            if g is None:
                 try:
-                    self.graphs[size] = self._capture(size)
+                    g = self._capture(size)
                 except RuntimeError as exc:  # an op that syncs the host cannot be captured; nothing ran
                     _NO_GRAPHS[self.loop.model] = _why(exc)
                     log.warning("hf_zero3 lockstep: decode steps not captured as CUDA graphs: %s",
                                 _NO_GRAPHS[self.loop.model])
+                    self.loop.graphs.clear()
                     self.graph_steps = 0
                     continue
-            self.graphs[size].replay()
+            elif size not in self.captured:
+                self.reused = True
+            g.replay()
             n -= size
 
 
@@ -288,18 +442,30 @@ def decode(model, call, input_ids, logits_processor, stopping_criteria, generati
     """Generate with the static loop, in lockstep with ``call`` (a :class:`.lockstep._Call`): the
     agreements of transformers' loop under lockstep, at the same steps."""
     budget = int(call.budget)
-    loop = _Loop(model, input_ids, logits_processor, generation_config, stopping_criteria, model_kwargs, budget)
-    runner = _Runner(loop, graph_steps)
-    loop.prefill()
-    every, fixed = call.cfg.sync_every, call.cfg.stop == "fixed"
-    tokens = 1  # the prefill chose token 1; before forward k + 1 the loop asks to go on (k = tokens)
-    while tokens < budget:
-        if not fixed and tokens % every == 0 and not call.agree_unfinished(call.rt.join is None and not loop.finished()):
-            break
-        nxt = budget if fixed else min(budget, (tokens // every + 1) * every)
-        runner.run(nxt - tokens)
-        tokens = nxt
-    out, done_at = loop.result(tokens)
+    cache = model_kwargs["past_key_values"]
+    loop, kept = _loop_for(model, input_ids, logits_processor, generation_config, stopping_criteria, cache)
+    loop.start(model, input_ids, logits_processor, generation_config, stopping_criteria, model_kwargs, budget)
+    runner = _Runner(loop, graph_steps, model)
+    try:
+        loop.prefill()
+        loop.bind_cache()
+        every, fixed = call.cfg.sync_every, call.cfg.stop == "fixed"
+        tokens = 1  # the prefill chose token 1; before forward k + 1 the loop asks to go on (k = tokens)
+        while tokens < budget:
+            if not fixed and tokens % every == 0 and not call.agree_unfinished(call.rt.join is None and not loop.finished()):
+                break
+            nxt = budget if fixed else min(budget, (tokens // every + 1) * every)
+            runner.run(nxt - tokens)
+            tokens = nxt
+        out, done_at = loop.result(tokens)
+    except BaseException:
+        _forget(model, loop)  # a call cut short leaves no half-captured loop behind
+        raise
+    finally:
+        loop.end()
+    if not loop.compiled:
+        _forget(model, loop)  # later calls take transformers' loop (failure() says why)
     call.finish_loop(tokens, done_at, compiled=loop.compiled, graph_steps=runner.graph_steps,
-                     capture_s=runner.capture_s)
+                     capture_s=runner.capture_s, loop_reused=kept, graphs_reused=runner.reused,
+                     attention=decode_attention.NAME if loop.gqa else None)
     return out

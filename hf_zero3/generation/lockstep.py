@@ -112,6 +112,9 @@ class LockstepStats:
     loop_reason: str | None = None  # why compiled decoding kept transformers' loop
     graph_steps: int = 0       # decode steps per CUDA-graph launch (0: no CUDA graphs)
     graph_capture_s: float = 0.0  # host seconds the call spent capturing its CUDA graphs
+    loop_reused: bool = False  # the static loop's buffers came from an earlier call (see graph_decode)
+    graphs_reused: bool = False  # replayed CUDA graphs an earlier call captured (same parameters, cache, state)
+    attention: str | None = None  # the decode steps' attention where the static loop replaced the model's (GQA)
 
 
 class _Call:
@@ -220,7 +223,8 @@ class _Call:
         return any_unfinished == 1
 
     def finish_loop(self, forwards: int, done_at: int | None, *, compiled: bool, graph_steps: int,
-                    capture_s: float = 0.0) -> None:
+                    capture_s: float = 0.0, loop_reused: bool = False, graphs_reused: bool = False,
+                    attention: str | None = None) -> None:
         """hf_zero3's static loop ran ``forwards`` forwards (see :mod:`.graph_decode`)."""
         if self.rt.join is not None:
             done_at = 0  # a joining rank's rows are placeholders, done from the start
@@ -229,6 +233,9 @@ class _Call:
         self.stats.loop = "hf_zero3"
         self.stats.graph_steps = graph_steps
         self.stats.graph_capture_s = capture_s
+        self.stats.loop_reused = loop_reused
+        self.stats.graphs_reused = graphs_reused
+        self.stats.attention = attention
         if not compiled:
             self.stats.decode = "eager"
             self.stats.decode_reason = graph_decode.failure(self.model)

@@ -203,7 +203,8 @@ def _static_loop_batches_rank():
             got = hf_zero3.lockstep_generate(engine, gather="all", sync_every=2, **{**gen, **kw})
         s = engine.module.hf_zero3_last_generate
         out[name] = dict(out=got.tolist(), loop=s.loop, loop_reason=s.loop_reason, decode=s.decode,
-                         reason=s.decode_reason, forwards=s.forwards, extra=s.extra_forwards)
+                         reason=s.decode_reason, forwards=s.forwards, extra=s.extra_forwards,
+                         reused=s.loop_reused, attention=s.attention)
 
     run("eager", decode="eager")
     run("compiled", decode="compiled")
@@ -212,6 +213,19 @@ def _static_loop_batches_rank():
     sampling = dict(do_sample=True, top_k=12, top_p=0.9, temperature=0.8)
     run("eager_sampled", seed=11 + rank, decode="eager", **sampling)
     run("compiled_sampled", seed=11 + rank, decode="compiled", **sampling)
+    # a region held across calls (TRL's unwrap_model_for_generation): the same parameter storage,
+    # so a second call reuses the first one's static buffers (on CUDA its graphs); a state the
+    # compiled forward would guard on (training mode) does not
+    with hf_zero3.eval_forward(engine, gather="all"):
+        run("held_1", decode="compiled")
+        run("held_2", decode="compiled")
+        engine.module.train()
+        try:
+            run("held_train", decode="compiled")
+        finally:
+            engine.module.eval()
+        run("held_sampled", seed=11 + rank, decode="compiled", **sampling)
+        run("held_sampled_again", seed=11 + rank, decode="compiled", **sampling)
 
     # a forward hook with Python state: Dynamo recompiles on every call until its limit, then the
     # loop runs the rest of that call eagerly (and says why); the tokens stay the same
@@ -253,6 +267,19 @@ def test_static_loop_samples_the_tokens_eager_sampling_draws(batch_results):
         assert r["compiled_sampled"]["out"] == r["eager_sampled"]["out"]
     assert any(r["compiled_sampled"]["out"] != r["compiled"]["out"] for r in batch_results)  # it did sample
     assert batch_results[0]["compiled_sampled"]["forwards"] == batch_results[1]["compiled_sampled"]["forwards"]
+
+
+def test_a_second_call_reuses_the_loop_only_with_the_same_parameters_and_state(batch_results):
+    from hf_zero3.generation.decode_attention import NAME
+
+    for r in batch_results:
+        for name in ("held_1", "held_2", "held_train"):
+            assert r[name]["loop"] == "hf_zero3" and r[name]["out"] == r["eager"]["out"], (name, r[name])
+        assert r["held_2"]["reused"] and not r["held_train"]["reused"]
+        assert r["held_sampled_again"]["reused"] and r["held_sampled_again"]["out"] == r["eager_sampled"]["out"]
+        assert r["held_sampled"]["out"] == r["eager_sampled"]["out"]
+        # the tiny Llama is a GQA model: its decode steps attend with the grouped-heads attention
+        assert r["compiled"]["attention"] == NAME and r["eager"]["attention"] is None
 
 
 def test_a_forward_that_stops_compiling_mid_call_finishes_eagerly(batch_results):

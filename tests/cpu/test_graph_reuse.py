@@ -1,0 +1,96 @@
+"""When hf_zero3's static loop may replay what an earlier call captured: only with the same
+parameters, buffers, model state, processors and every tensor of the static cache (a replayed CUDA
+graph re-checks nothing). Real transformers model, StaticCache and processors; no GPU needed for
+the keys (the CUDA-graph replay itself is tested in tests/gpu/test_compiled_decode_gpu.py)."""
+
+import pytest
+import torch
+
+
+@pytest.fixture()
+def parts():
+    from transformers import GenerationConfig
+    from transformers.cache_utils import StaticCache
+
+    from hf_zero3.testing import models
+
+    model = models.plain_model(models.tiny_llama_config()).eval()
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    ids = torch.tensor([[3, 4, 5], [6, 7, 8]])
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)  # allocates the cache's tensors
+    return model, cache, ids, GenerationConfig(do_sample=False)
+
+
+def test_graphs_are_kept_only_while_the_cache_tensors_are_those_captured(parts):
+    from hf_zero3.generation import graph_decode as gd
+
+    model, cache, ids, _ = parts
+    loop = gd._Loop(2, 16, ids.device, None, False)
+    loop.cache = cache
+    loop.bind_cache()
+    loop.graphs[1] = "captured"
+    loop.bind_cache()  # the same tensors: kept
+    assert loop.graphs == {1: "captured"}
+    # transformers 5.17 builds a new cache each call: its keys and values usually land where the
+    # last ones were, its length counters need not; the loop hands the layer back the counter the
+    # graphs read (with the new one's value) and keeps the graphs
+    layer = cache.layers[0]
+    captured = layer.cumulative_length
+    layer.cumulative_length = torch.full_like(captured, 5)
+    loop.bind_cache()
+    assert loop.graphs == {1: "captured"}
+    assert layer.cumulative_length is captured and int(captured) == 5
+    # keys at another address: the graphs are dropped
+    layer.keys = layer.keys.clone()
+    loop.bind_cache()
+    assert loop.graphs == {}
+
+
+def test_the_key_follows_parameters_state_hooks_and_processors(parts):
+    from transformers.generation.logits_process import TemperatureLogitsWarper
+
+    from hf_zero3.generation import graph_decode as gd
+
+    model, cache, ids, cfg = parts
+    procs = [TemperatureLogitsWarper(0.7)]
+    key = gd._loop_key(model, ids, procs, cfg, None, cache)
+    assert gd._loop_key(model, ids, [TemperatureLogitsWarper(0.7)], cfg, None, cache) == key
+    assert gd._loop_key(model, ids, [TemperatureLogitsWarper(0.9)], cfg, None, cache)[0] != key[0]
+    model.train()
+    assert gd._loop_key(model, ids, procs, cfg, None, cache)[1] != key[1]
+    model.eval()
+    handle = model.model.layers[0].register_forward_hook(lambda *a: None)
+    assert gd._loop_key(model, ids, procs, cfg, None, cache)[1] != key[1]
+    handle.remove()
+    assert gd._loop_key(model, ids, procs, cfg, None, cache) == key
+    with torch.no_grad():
+        w = model.lm_head.weight
+        model.lm_head.weight = torch.nn.Parameter(w.clone())  # new storage, as a new gathered region gives
+    assert gd._loop_key(model, ids, procs, cfg, None, cache)[1] != key[1]
+
+    class Holding(TemperatureLogitsWarper):  # a processor holding a tensor is never kept
+        def __init__(self):
+            super().__init__(0.7)
+            self.bias = torch.zeros(3)
+
+    assert gd._loop_key(model, ids, [Holding()], cfg, None, cache) is None
+
+
+def test_loops_are_kept_per_shape_replaced_when_stale_and_released(parts):
+    from hf_zero3.generation import graph_decode as gd
+    from hf_zero3.generation import release_decode_graphs
+
+    model, cache, ids, cfg = parts
+    first, kept = gd._loop_for(model, ids, [], cfg, [], cache)
+    again, kept_again = gd._loop_for(model, ids, [], cfg, [], cache)
+    assert not kept and kept_again and again is first
+    model.train()  # a state the compiled forward guards on: a new loop replaces the stale one
+    other, kept = gd._loop_for(model, ids, [], cfg, [], cache)
+    assert not kept and other is not first and len(gd._LOOPS[model]) == 1
+    model.eval()
+    for batch in (3, 4, 5):  # other batch sizes: at most KEEP shapes per model
+        gd._loop_for(model, ids[:1].expand(batch, -1), [], cfg, [], cache)
+    assert len(gd._LOOPS[model]) == gd.KEEP
+    release_decode_graphs(model)
+    assert model not in gd._LOOPS
