@@ -1,20 +1,23 @@
 """Rollout decode speed with the whole model gathered (issue #14): layer-wise lockstep, HF eager
 gathered (TRL's ``unwrap_model_for_generation`` + ``generate``: all parameters gathered, ZeRO-3's
 hooks off, here through ``hf_zero3.eval_forward(gather="all")``), transformers' static cache as is,
-and lockstep's compiled decode (``decode="compiled"``: hf_zero3's static loop, without and with
-CUDA graphs of 8 steps, a stop agreement every 8 steps), same run, batch 8 and 64, 128 new tokens.
+and lockstep's compiled decode (``decode="compiled"``: hf_zero3's static loop without CUDA graphs,
+with graphs of 8 steps and of 1 step, a stop agreement every 8 steps), same run, batch 8 and 64,
+128 new tokens.
 
 Rows end at rank-dependent lengths: ``useful_tokens`` counts each row up to its own target length
 (drawn per rank, row 0 of rank 0 runs all 128), and every configuration runs the 128 decode
 forwards that such a group runs (the longest row sets them), without EOS (no row stops early in
-any configuration). (A Python
-stopping criterion would move every configuration onto transformers' loop, so the lengths are
-applied in the count, not in the loop.)
+any configuration). (A Python stopping criterion would move every configuration onto
+transformers' loop, so the lengths are applied in the count, not in the loop.)
 
 Model: Llama-3.2-1B shape in code (random weights, bf16) under ZeRO-3 on every GPU (up to 2).
 Each configuration runs twice; the first call's extra time is reported as compile seconds, the
-second is measured. ``floor_tok_s``: batch / (bf16 weight bytes / HBM bandwidth), the tokens/s a
-decode step that only streams the weights once would reach (BENCH_HBM_TBPS, default 4.3 TB/s).
+second is measured (a repeated rollout: the static loop replays the graphs its first call
+captured, ``graphs_reused``). ``floor_tok_s``: batch / (bf16 weight bytes / HBM bandwidth), the
+tokens/s a decode step that only streams the weights once would reach (BENCH_HBM_TBPS, default
+4.3 TB/s); ``fraction_of_floor`` counts every row of every step (``step_tokens_per_s``), as the
+floor does, ``useful_fraction_of_floor`` each row up to its own length.
 Run: python benchmarks/generation/bench_decode.py   (GPU only; BENCH_BATCHES=8,64)
 """
 
@@ -34,7 +37,9 @@ BATCHES = [int(b) for b in os.environ.get("BENCH_BATCHES", "8,64").split(",")]
 PROMPT = 64
 PARTIAL = os.path.join(os.environ.get("OUT", HERE), "decode_partial.jsonl")
 # the slow per-layer baseline last, so that a run cut short still has the main comparison
-CONFIGS = ("hf_eager_gathered", "hf_static_gathered", "hf_zero3_static_loop", "hf_zero3_graphs", "layerwise")
+CONFIGS = ("hf_eager_gathered", "hf_static_gathered", "hf_zero3_static_loop", "hf_zero3_graphs", "hf_zero3_graphs1",
+           "layerwise")
+GRAPH_STEPS = {"hf_zero3_static_loop": 0, "hf_zero3_graphs": 8, "hf_zero3_graphs1": 1}
 
 
 def rank_main():
@@ -59,7 +64,7 @@ def rank_main():
             return hf_zero3.lockstep_generate(engine, gather="layerwise", sync_every=4, **kw)
         if name.startswith("hf_zero3"):
             return hf_zero3.lockstep_generate(engine, gather="all", sync_every=8, decode="compiled",
-                                              graph_steps=8 if name == "hf_zero3_graphs" else 0, **kw)
+                                              graph_steps=GRAPH_STEPS[name], **kw)
         # TRL's unwrap_model_for_generation: the whole model gathered and ZeRO-3's hooks off
         # (GatheredParameters + remove_hooks), then transformers' own generate()
         with hf_zero3.eval_forward(engine, gather="all"):
@@ -74,7 +79,7 @@ def rank_main():
         targets[0] = MAX_NEW if rank == 0 else targets[0]
         useful = int(targets.sum())
         for name in CONFIGS:
-            times = []
+            times, outs = [], []
             for rep in range(2):
                 mark(f"batch {batch} {name} rep {rep}")
                 kw = dict(input_ids=ids, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0, eos_token_id=None)
@@ -82,9 +87,11 @@ def rank_main():
                 torch.cuda.synchronize()
                 t = time.perf_counter()
                 with torch.no_grad():
-                    generate(name, kw)
+                    outs.append(generate(name, kw))
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - t)
+                if rep == 0:
+                    first_capture = getattr(getattr(module, "hf_zero3_last_generate", None), "graph_capture_s", None)
             tot = torch.tensor([useful, times[1]], dtype=torch.float64, device=dev)
             dist.all_reduce(tot)
             stats = module.hf_zero3_last_generate if name.startswith("hf_zero3") or name == "layerwise" else None
@@ -94,6 +101,9 @@ def rank_main():
                              decode=getattr(ours, "decode", None), loop=getattr(ours, "loop", None),
                              graph_steps=getattr(ours, "graph_steps", None),
                              capture_s=getattr(ours, "graph_capture_s", None),
+                             first_call_capture_s=first_capture, graphs_reused=getattr(ours, "graphs_reused", None),
+                             attention=getattr(ours, "attention", None),
+                             same_tokens_both_calls=bool(torch.equal(outs[0], outs[1])),
                              forwards=getattr(stats, "forwards", None), compiles=getattr(stats, "compiles", None),
                              weight_bytes=n_bytes))
             if rank == 0:  # as it is measured: a run cut short keeps its rows
@@ -116,9 +126,11 @@ def main():
                      capture=False)[0]
     bw = float(os.environ.get("BENCH_HBM_TBPS", 4.3)) * 1e12
     for r in rows:
-        r["tokens_per_s"] = r["useful_tokens"] / r["seconds"] / world  # per rank
+        r["tokens_per_s"] = r["useful_tokens"] / r["seconds"] / world  # per rank, each row up to its length
+        r["step_tokens_per_s"] = r["batch"] * MAX_NEW / r["seconds"]  # per rank, every row of every step
         r["floor_tok_s"] = r["batch"] / (r["weight_bytes"] / bw)
-        r["fraction_of_floor"] = r["tokens_per_s"] / r["floor_tok_s"]
+        r["fraction_of_floor"] = r["step_tokens_per_s"] / r["floor_tok_s"]
+        r["useful_fraction_of_floor"] = r["tokens_per_s"] / r["floor_tok_s"]
     for batch in BATCHES:
         base = {r["config"]: r for r in rows if r["batch"] == batch}
         for r in base.values():
@@ -127,7 +139,8 @@ def main():
     setup = dict(world=world, max_new_tokens=MAX_NEW, prompt=PROMPT, batches=BATCHES)
     path = save("decode", {"setup": setup, "rows": rows}, HERE)
     print(setup)
-    print(table(rows, ["batch", "config", "decode", "loop", "graph_steps", "forwards", "seconds", "capture_s", "tokens_per_s", "compile_s", "fraction_of_floor",
+    print(table(rows, ["batch", "config", "decode", "loop", "graph_steps", "forwards", "seconds", "capture_s", "first_call_capture_s", "graphs_reused", "tokens_per_s",
+                       "step_tokens_per_s", "compile_s", "fraction_of_floor",
                        "vs_hf_eager_gathered", "vs_hf_static"]))
     print(f"raw numbers: {path}")
 
