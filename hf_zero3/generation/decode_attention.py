@@ -50,9 +50,13 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
 
 
 def applies(model) -> bool:
-    """A GQA model that looks its attention up by name, with SDPA or eager attention, one config."""
+    """A GQA model that looks its attention up by name, with SDPA or eager attention, one config,
+    and plain softmax attention: no logit soft-capping (Gemma 2/3) and no attention sinks
+    (gpt-oss), which transformers' own functions compute and this one does not."""
     cfg = getattr(model, "config", None)
     if cfg is None or not getattr(model, "_supports_attention_backend", False) or getattr(cfg, "sub_configs", None):
+        return False
+    if getattr(cfg, "attn_logit_softcapping", None) is not None or any(hasattr(m, "sinks") for m in model.modules()):
         return False
     heads, kv = getattr(cfg, "num_attention_heads", None), getattr(cfg, "num_key_value_heads", None)
     return (getattr(cfg, "_attn_implementation", None) in _REPLACES and isinstance(heads, int)

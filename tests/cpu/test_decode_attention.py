@@ -62,6 +62,11 @@ def test_applies_only_to_gqa_models_and_use_restores_the_config(attn):
     assert decode_attention.applies(model)
     mha = models.plain_model(models.tiny_llama_config(num_key_value_heads=4))
     assert not decode_attention.applies(mha)
+    model.config.attn_logit_softcapping = 30.0  # soft-capped logits (Gemma 2/3): the model's own attention
+    try:
+        assert not decode_attention.applies(model)
+    finally:
+        del model.config.attn_logit_softcapping
     before = model.config._attn_implementation
     with pytest.raises(RuntimeError, match="inside"):
         with decode_attention.use(model):
