@@ -48,6 +48,7 @@ import weakref
 
 import torch
 
+from .._upstream import transformers as hf_up
 from . import decode_attention
 
 __all__ = ["GRAPH_SAFE_PROCESSORS", "GRAPH_SAFE_CRITERIA", "unsupported", "decode", "failure", "release"]
@@ -240,7 +241,7 @@ class _Loop:
         self.pos.add_(1)
         kwargs = dict(input_ids=self.tok.view(-1, 1), attention_mask=self.mask, position_ids=self.pos.view(-1, 1),
                       past_key_values=self.cache, use_cache=True, **self.extra)
-        with decode_attention.use(self.model, self.gqa):
+        with decode_attention.use(self.model, self.gqa), hf_up.input_grad_hooks_suspended(self.model):
             try:
                 out = self.call(self.model, **kwargs)
             except _COMPILE_ERRORS as exc:

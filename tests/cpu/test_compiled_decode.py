@@ -227,6 +227,17 @@ def _static_loop_batches_rank():
         run("held_sampled", seed=11 + rank, decode="compiled", **sampling)
         run("held_sampled_again", seed=11 + rank, decode="compiled", **sampling)
 
+    # gradient checkpointing's input-require-grads hook (TRL's default, PEFT): Dynamo cannot trace
+    # its requires_grad_(); under no_grad it changes nothing, so the decode steps run without it
+    from hf_zero3._upstream.transformers import input_grad_hooks
+
+    engine.module.enable_input_require_grads()
+    try:
+        run("input_grads", decode="compiled")
+    finally:
+        for handle in input_grad_hooks(engine.module):
+            handle.remove()
+
     # a forward hook with Python state: Dynamo recompiles on every call until its limit, then the
     # loop runs the rest of that call eagerly (and says why); the tokens stay the same
     class PyCounter:
@@ -280,6 +291,13 @@ def test_a_second_call_reuses_the_loop_only_with_the_same_parameters_and_state(b
         assert r["held_sampled"]["out"] == r["eager_sampled"]["out"]
         # the tiny Llama is a GQA model: its decode steps attend with the grouped-heads attention
         assert r["compiled"]["attention"] == NAME and r["eager"]["attention"] is None
+
+
+def test_checkpointings_input_grad_hook_does_not_stop_the_compiled_step(batch_results):
+    for r in batch_results:
+        g = r["input_grads"]
+        assert g["loop"] == "hf_zero3" and g["decode"] == "compiled", g
+        assert g["out"] == r["eager"]["out"]
 
 
 def test_a_forward_that_stops_compiling_mid_call_finishes_eagerly(batch_results):

@@ -85,3 +85,41 @@ def grpo_deepcompile(tmpdir: str, gradient_checkpointing: bool = True):
                 graphs=graphs.counts, recompiles=recompiles[:8], deepcompile=rt.deepcompile_active(),
                 plan=rt.memory_plan.summary() if rt.memory_plan else None,
                 gather=rt.last_generate.gather if rt.last_generate else None)
+
+
+def grpo_compiled_decode(tmpdir: str, steps: int = 3, cuda: bool = True):
+    """TRL's GRPO under plain ZeRO-3 with ``Zero3Safe(decode="compiled")``: every rollout (TRL's
+    gathered model, TRL's default sampling) runs hf_zero3's static loop with CUDA graphs and the
+    grouped-heads attention; per rollout, whether it replayed the last one's graphs."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    import hf_zero3
+    from hf_zero3.testing.configs import trainer_zero3_config
+    from hf_zero3.testing.trl_jobs import _prompts, length_reward, tiny_tokenizer
+
+    class Rollouts(TrainerCallback):
+        def __init__(self):
+            self.seen = []
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            g = hf_zero3.runtime_of(model).last_generate
+            self.seen.append(dict(loop=g.loop, loop_reason=g.loop_reason, decode=g.decode, reason=g.decode_reason,
+                                  graph_steps=g.graph_steps, reused=g.graphs_reused, attention=g.attention,
+                                  forwards=g.forwards))
+
+    tok = tiny_tokenizer()
+    ds = trainer_zero3_config(extra={"bf16": {"enabled": cuda}})
+    args = GRPOConfig(output_dir=tmpdir, bf16=cuda, use_cpu=not cuda, deepspeed=ds, per_device_train_batch_size=4,
+                      num_generations=4, max_completion_length=32, max_steps=steps, report_to=[], save_strategy="no",
+                      logging_steps=1, disable_tqdm=True)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                      num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=1024,
+                      attn_implementation="sdpa", pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM._from_config(cfg, dtype=torch.bfloat16 if cuda else torch.float32)
+    rollouts = Rollouts()
+    trainer = GRPOTrainer(model=model, reward_funcs=length_reward, args=args, train_dataset=_prompts(),
+                          processing_class=tok, callbacks=[hf_zero3.Zero3Safe(decode="compiled"), rollouts])
+    trainer.train()
+    return dict(losses=[h["loss"] for h in trainer.state.log_history if "loss" in h], rollouts=rollouts.seen)

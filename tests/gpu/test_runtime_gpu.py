@@ -36,3 +36,19 @@ def test_trl_grpo_under_deepcompile_trains_generates_and_evaluates(tmp_path):
         assert len(r["evals"]) >= 2
         assert r["gather"] == "held"  # TRL's gathered model reused, DeepCompile's graph bypassed
         assert r["graphs"][-1] == r["graphs"][0], (r["graphs"], r["recompiles"])  # compiled at step 0, never again
+
+
+@pytest.mark.timeout(400)
+def test_trl_grpo_rollouts_run_the_static_loop_with_cuda_graphs(tmp_path):
+    from _runtime_workers import grpo_compiled_decode
+
+    from hf_zero3.generation.decode_attention import NAME
+
+    res = _run(grpo_compiled_decode, str(tmp_path), timeout=380)
+    print("rollouts:", [[(g["reused"], g["forwards"]) for g in r["rollouts"]] for r in res])  # graph reuse, for the record
+    for r in res:
+        assert len(r["losses"]) == 3 and all(math.isfinite(x) for x in r["losses"]), r
+        for g in r["rollouts"]:
+            assert g["loop"] == "hf_zero3" and g["decode"] == "compiled", g
+            assert g["graph_steps"] > 0 and g["attention"] == NAME, g
+    assert len({tuple(g["forwards"] for g in r["rollouts"]) for r in res}) == 1  # lockstep across ranks
