@@ -6,7 +6,9 @@ step writes and then reads ``num_key_value_groups`` copies of the whole cache. O
 3.2-1B shape, batch 64, a 192-token static cache) that was 1.3 ms of a 2.7 ms compiled step.
 This function is transformers' eager attention (matmul, float32 softmax, matmul) with the query
 heads grouped under their key/value head instead, so the cache is read once and nothing is
-copied. hf_zero3's static loop uses it for its decode steps only (one query token), on models
+copied. Its numerics are eager's (scores in the model's dtype, softmax in float32), also for
+SDPA models, whose SDPA kernels keep scores in float32: in bf16 the two differ within bf16
+tolerance (the GPU test's teacher-forced logits), in float32 they agree (CPU tests). hf_zero3's static loop uses it for its decode steps only (one query token), on models
 that take their attention from transformers' attention interface; the prompt's forward and every
 other shape keep the model's own attention (SDPA for any other shape).
 """
@@ -46,7 +48,7 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
         else:
             scores = scores + mask
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    return torch.matmul(probs, value).reshape(b, 1, h, d), None
+    return torch.matmul(probs, value).reshape(b, 1, h, value.shape[-1]), None
 
 
 def applies(model) -> bool:

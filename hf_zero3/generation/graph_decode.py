@@ -106,6 +106,9 @@ def unsupported(model, logits_processor, stopping_criteria, generation_config, s
     positions = model_kwargs.get("position_ids")
     if positions is not None and positions.dim() != 2:
         return "position_ids are not 2-D (one position per token)"
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None and mask.dim() != 2:
+        return "attention_mask is not a 2-D padding mask"
     cache = model_kwargs.get("past_key_values")
     if cache is None or not _static_layers(cache):
         return "the cache is not transformers' StaticCache (StaticLayer layers)"
@@ -170,6 +173,7 @@ class _Loop:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # steps per graph -> graph
         self.cache_ptrs = None  # the cache tensors the graphs were captured with
         self.cache_small = None  # per layer, its small tensors (length counters) the graphs read
+        self.cache_big = None  # per layer, the addresses of its other tensors (keys, values)
         self.warm = False  # a step ran (compiled, warmed up for capture) in this or an earlier call
         self.compiled = True
         self.model = self.cache = self.prompt = self.processors = None
@@ -215,7 +219,10 @@ class _Loop:
         usually land where the last call's were (the same allocation sequence) while its one-element
         length counters need not. Those small tensors are handed back the ones the graphs read
         (their values copied in), so a new cache at the old keys and values replays the graphs."""
-        if self.cache_small is not None:
+        big = tuple(_tensor_ptrs(layer, big=True) for layer in self.cache.layers)
+        if self.cache_small is not None and big == self.cache_big:
+            # the keys and values are where the captured ones were, so those are gone: the small
+            # tensors the graphs read belong to no other live cache
             for layer, small in zip(self.cache.layers, self.cache_small):
                 for name, kept in small.items():
                     now = vars(layer).get(name)
@@ -226,8 +233,9 @@ class _Loop:
         ptrs = tuple(_tensor_ptrs(layer) for layer in self.cache.layers) + (_tensor_ptrs(self.cache),)
         if ptrs != self.cache_ptrs:
             self.graphs.clear()
-            self.cache_ptrs = ptrs
-            self.cache_small = [{k: v for k, v in vars(layer).items() if isinstance(v, torch.Tensor) and v.numel() <= 16}
+            self.warm = False  # the next step runs uncaptured (any recompile happens outside a capture)
+            self.cache_ptrs, self.cache_big = ptrs, big
+            self.cache_small = [{k: v for k, v in vars(layer).items() if isinstance(v, torch.Tensor) and v.numel() <= _SMALL}
                                 for layer in self.cache.layers]
 
     def prefill(self) -> None:
@@ -288,9 +296,13 @@ class _Loop:
 _SCALARS = (bool, int, float, str, type(None))
 
 
-def _tensor_ptrs(obj) -> tuple:
-    """(name, address) of every tensor attribute of ``obj``."""
-    return tuple((k, v.data_ptr()) for k, v in sorted(vars(obj).items()) if isinstance(v, torch.Tensor))
+_SMALL = 16  # elements: a cache tensor this small is a counter, handed back rather than compared
+
+
+def _tensor_ptrs(obj, big: bool = False) -> tuple:
+    """(name, address) of every tensor attribute of ``obj`` (``big``: only those above ``_SMALL``)."""
+    return tuple((k, v.data_ptr()) for k, v in sorted(vars(obj).items())
+                 if isinstance(v, torch.Tensor) and (not big or v.numel() > _SMALL))
 
 
 def _plain_state(obj) -> tuple | None:
@@ -301,6 +313,8 @@ def _plain_state(obj) -> tuple | None:
             items.append((k, v))
         elif isinstance(v, (list, tuple)) and all(type(x) is str for x in v):
             items.append((k, tuple(v)))
+        elif isinstance(v, dict) and v and all(type(x) is str for x in v) and all(type(x) in _SCALARS for x in v.values()):
+            items.append((k, tuple(sorted(v.items()))))  # PEFT's per-adapter scaling, r, lora_alpha
     return tuple(items)
 
 
@@ -331,7 +345,8 @@ def _loop_key(model, input_ids, processors, generation_config, eos, cache) -> tu
     shape = (type(model), input_ids.shape[0], _cache_length(cache), str(dev), bool(generation_config.do_sample),
              tuple(procs), None if eos is None else tuple(eos.tolist()))
     where = (tuple(t.data_ptr() for t in model.parameters()), tuple(t.data_ptr() for t in model.buffers()),
-             tuple(t.dtype for t in model.parameters()), torch.is_autocast_enabled(dev.type), _module_state(model))
+             tuple(t.dtype for t in model.parameters()), torch.is_autocast_enabled(dev.type),
+             torch.get_autocast_dtype(dev.type), _module_state(model))
     return shape, where
 
 
@@ -445,9 +460,9 @@ def decode(model, call, input_ids, logits_processor, stopping_criteria, generati
     budget = int(call.budget)
     cache = model_kwargs["past_key_values"]
     loop, kept = _loop_for(model, input_ids, logits_processor, generation_config, stopping_criteria, cache)
-    loop.start(model, input_ids, logits_processor, generation_config, stopping_criteria, model_kwargs, budget)
-    runner = _Runner(loop, graph_steps, model)
     try:
+        loop.start(model, input_ids, logits_processor, generation_config, stopping_criteria, model_kwargs, budget)
+        runner = _Runner(loop, graph_steps, model)
         loop.prefill()
         loop.bind_cache()
         every, fixed = call.cfg.sync_every, call.cfg.stop == "fixed"

@@ -41,10 +41,15 @@ def test_graphs_are_kept_only_while_the_cache_tensors_are_those_captured(parts):
     loop.bind_cache()
     assert loop.graphs == {1: "captured"}
     assert layer.cumulative_length is captured and int(captured) == 5
-    # keys at another address: the graphs are dropped
+    # keys at another address (another cache, still alive): the graphs are dropped and a warm-up
+    # step comes first, and its counter stays its own (two live caches never share one)
+    loop.warm = True
     layer.keys = layer.keys.clone()
+    own = torch.full_like(captured, 7)
+    layer.cumulative_length = own
     loop.bind_cache()
-    assert loop.graphs == {}
+    assert loop.graphs == {} and not loop.warm
+    assert layer.cumulative_length is own and int(captured) == 5
 
 
 def test_the_key_follows_parameters_state_hooks_and_processors(parts):
@@ -60,6 +65,11 @@ def test_the_key_follows_parameters_state_hooks_and_processors(parts):
     model.train()
     assert gd._loop_key(model, ids, procs, cfg, None, cache)[1] != key[1]
     model.eval()
+    model.model.layers[0].self_attn.lora_scaling = {"default": 2.0}  # PEFT keeps per-adapter values in dicts
+    scaled = gd._loop_key(model, ids, procs, cfg, None, cache)
+    model.model.layers[0].self_attn.lora_scaling = {"default": 0.5}
+    assert gd._loop_key(model, ids, procs, cfg, None, cache)[1] != scaled[1]
+    del model.model.layers[0].self_attn.lora_scaling
     handle = model.model.layers[0].register_forward_hook(lambda *a: None)
     assert gd._loop_key(model, ids, procs, cfg, None, cache)[1] != key[1]
     handle.remove()
@@ -94,3 +104,13 @@ def test_loops_are_kept_per_shape_replaced_when_stale_and_released(parts):
     assert len(gd._LOOPS[model]) == gd.KEEP
     release_decode_graphs(model)
     assert model not in gd._LOOPS
+
+
+def test_a_4d_attention_mask_keeps_transformers_loop(parts):
+    from hf_zero3.generation import graph_decode as gd
+
+    model, cache, ids, cfg = parts
+    kwargs = {"past_key_values": cache, "attention_mask": torch.ones(2, 1, 3, 16, dtype=torch.bool)}
+    assert "2-D padding mask" in gd.unsupported(model, [], [], cfg, None, kwargs, 8)
+    kwargs["attention_mask"] = torch.ones(2, 3, dtype=torch.long)
+    assert gd.unsupported(model, [], [], cfg, None, kwargs, 8) is None

@@ -141,8 +141,12 @@ def test_deepcompile_profile_reads_memory_outside_torch_through_one_module_globa
     with patches.scope():
         patches.install("deepcompile_profile_in_allocator_units", ds_up.patch_deepcompile_profile_in_allocator_units)
         assert graph_profile._get_mem_usage_out_of_torch() == 0
-        assert graph_profile._absolute_profile_memory(graph_profile._get_mem_usage_out_of_torch()) == (
-            graph_profile.get_accelerator().memory_allocated(), graph_profile.get_accelerator().max_memory_allocated())
+        got = graph_profile._absolute_profile_memory(graph_profile._get_mem_usage_out_of_torch())
+        acc = graph_profile.get_accelerator()
+        # the allocator's own readings, nothing added (on CPU they are the process's, which moves by
+        # a page or so between two reads)
+        for value, now in zip(got, (acc.memory_allocated(), acc.max_memory_allocated())):
+            assert abs(value - now) <= 1 << 20, (got, now)
     assert graph_profile._get_mem_usage_out_of_torch is original
 
 
