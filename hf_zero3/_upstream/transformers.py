@@ -33,16 +33,11 @@ SAMPLE_PARAMS = ("self", "input_ids", "logits_processor", "stopping_criteria", "
                  "streamer", "model_kwargs")
 
 
-#: Where a model of transformers' attention interface (``_supports_attention_backend``) looks up its
-#: attention function and its mask function, both by ``config._attn_implementation``: hf_zero3's
-#: static loop registers one of each under its own name for its decode step
-#: (hf_zero3.generation.decode_attention).
-ATTENTION_REGISTRIES = ("transformers.AttentionInterface", "transformers.masking_utils.AttentionMaskInterface")
-
-
 def register_attention(name: str, attention) -> None:
     """Register ``attention`` under ``name``, with transformers' SDPA mask (a boolean mask, True
-    where a query may attend) as its mask function."""
+    where a query may attend) as its mask function: a model of transformers' attention interface
+    (``_supports_attention_backend``) looks both up by ``config._attn_implementation`` (hf_zero3's
+    decode attention, hf_zero3.generation.decode_attention)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 

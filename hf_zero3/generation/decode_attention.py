@@ -8,9 +8,10 @@ This function is transformers' eager attention (matmul, float32 softmax, matmul)
 heads grouped under their key/value head instead, so the cache is read once and nothing is
 copied. Its numerics are eager's (scores in the model's dtype, softmax in float32), also for
 SDPA models, whose SDPA kernels keep scores in float32: in bf16 the two differ within bf16
-tolerance (the GPU test's teacher-forced logits), in float32 they agree (CPU tests). hf_zero3's static loop uses it for its decode steps only (one query token), on models
-that take their attention from transformers' attention interface; the prompt's forward and every
-other shape keep the model's own attention (SDPA for any other shape).
+tolerance (the GPU test's teacher-forced logits), in float32 they agree (CPU tests).
+hf_zero3's static loop uses it for its decode steps only (one query token), on models that take
+their attention from transformers' attention interface; the prompt's forward and every other
+shape keep the model's own attention (SDPA for any other shape).
 """
 
 from __future__ import annotations

@@ -158,7 +158,7 @@ class _Loop:
     decode steps, kept across calls (see :func:`_loop_for`); per call, :meth:`start` fills them in
     place and :meth:`end` drops the call's objects (the model among them: a kept loop holds none)."""
 
-    def __init__(self, batch: int, length: int, device, eos: torch.Tensor | None, sample: bool):
+    def __init__(self, batch: int, length: int, device, eos: torch.Tensor | None, sample: bool, gqa: bool):
         self.mask = torch.ones(batch, length, dtype=torch.long, device=device)
         self.pos = torch.zeros(batch, dtype=torch.long, device=device)
         self.tok = torch.zeros(batch, dtype=torch.long, device=device)
@@ -170,6 +170,7 @@ class _Loop:
         self.out = torch.zeros(batch, length, dtype=torch.long, device=device)  # a call's tokens, at most length
         self.alive = torch.ones(length, dtype=torch.bool, device=device)
         self.sample = sample
+        self.gqa = gqa  # decode steps attend with decode_attention (part of the model's state the key holds)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # steps per graph -> graph
         self.cache_ptrs = None  # the cache tensors the graphs were captured with
         self.cache_small = None  # per layer, its small tensors (length counters) the graphs read
@@ -206,7 +207,6 @@ class _Loop:
         self.alive.fill_(True)
         self.extra = _forward_kwargs(model)
         self.call = _compiled_call(type(model)) if self.compiled else type(model).__call__  # call(model, ...)
-        self.gqa = decode_attention.applies(model)
 
     def end(self) -> None:
         self.model = self.cache = self.prompt = self.processors = self.call = None
@@ -305,7 +305,7 @@ def _tensor_ptrs(obj, big: bool = False) -> tuple:
                  if isinstance(v, torch.Tensor) and (not big or v.numel() > _SMALL))
 
 
-def _plain_state(obj) -> tuple | None:
+def _plain_state(obj) -> tuple:
     """An object's plain attributes (flags, names, sizes: what Dynamo specializes a graph on)."""
     items = []
     for k, v in vars(obj).items():
@@ -355,20 +355,19 @@ def _loop_for(model, input_ids, processors, generation_config, stopping_criteria
     first, and one per shape: a loop whose addresses or state no longer match is replaced."""
     eos = _eos_ids(stopping_criteria, input_ids.device)
     key = _loop_key(model, input_ids, processors, generation_config, eos, cache)
-    b, dev = input_ids.shape[0], input_ids.device
-    if key is None:
-        return _Loop(b, _cache_length(cache), dev, eos, bool(generation_config.do_sample)), False
-    shape, where = key
-    kept = _LOOPS.setdefault(model, collections.OrderedDict())
-    entry = kept.get(shape)
-    if entry is not None and entry[0] == where:
-        kept.move_to_end(shape)
-        return entry[1], True
-    loop = _Loop(b, _cache_length(cache), dev, eos, bool(generation_config.do_sample))
-    kept[shape] = (where, loop)
-    kept.move_to_end(shape)
-    while len(kept) > KEEP:
-        kept.popitem(last=False)
+    if key is not None:
+        kept = _LOOPS.setdefault(model, collections.OrderedDict())
+        entry = kept.get(key[0])
+        if entry is not None and entry[0] == key[1]:
+            kept.move_to_end(key[0])
+            return entry[1], True
+    loop = _Loop(input_ids.shape[0], _cache_length(cache), input_ids.device, eos, bool(generation_config.do_sample),
+                 decode_attention.applies(model))
+    if key is not None:
+        kept[key[0]] = (key[1], loop)
+        kept.move_to_end(key[0])
+        while len(kept) > KEEP:
+            kept.popitem(last=False)
     return loop, False
 
 
@@ -394,9 +393,9 @@ class _Runner:
     the model's state are those they were captured with; on CPU, or with ``graph_steps=0``, steps
     run one by one."""
 
-    def __init__(self, loop: _Loop, graph_steps: int, model):
+    def __init__(self, loop: _Loop, graph_steps: int):
         self.loop = loop
-        self.graph_steps = graph_steps if loop.mask.is_cuda and model not in _NO_GRAPHS and loop.compiled else 0
+        self.graph_steps = graph_steps if loop.mask.is_cuda and loop.model not in _NO_GRAPHS and loop.compiled else 0
         self.capture_s = 0.0  # host seconds spent capturing this call's graphs
         self.captured: set[int] = set()
         self.reused = False  # replayed a graph an earlier call captured
@@ -462,7 +461,7 @@ def decode(model, call, input_ids, logits_processor, stopping_criteria, generati
     loop, kept = _loop_for(model, input_ids, logits_processor, generation_config, stopping_criteria, cache)
     try:
         loop.start(model, input_ids, logits_processor, generation_config, stopping_criteria, model_kwargs, budget)
-        runner = _Runner(loop, graph_steps, model)
+        runner = _Runner(loop, graph_steps)
         loop.prefill()
         loop.bind_cache()
         every, fixed = call.cfg.sync_every, call.cfg.stop == "fixed"

@@ -26,7 +26,7 @@ def test_graphs_are_kept_only_while_the_cache_tensors_are_those_captured(parts):
     from hf_zero3.generation import graph_decode as gd
 
     model, cache, ids, _ = parts
-    loop = gd._Loop(2, 16, ids.device, None, False)
+    loop = gd._Loop(2, 16, ids.device, None, False, False)
     loop.cache = cache
     loop.bind_cache()
     loop.graphs[1] = "captured"
