@@ -1,8 +1,9 @@
 """Would fusing a decode step's projections pay (issue #14, batch 64 at 27 % of the floor)? Times
 the GEMMs of one Llama-3.2-1B decoder layer at decode shapes (M = batch rows, bf16), each alone
-and fused (q/k/v as one [3072 x 2048] weight, gate/up as one [16384 x 2048]), replayed from a
-CUDA graph of 200 calls, and prints microseconds per call, achieved TB/s and the fused/separate
-ratio. A probe for a design choice, not a benchmark of hf_zero3.
+and fused (q/k/v as one [3072 x 2048] weight, k/v as one [1024 x 2048], gate/up as one
+[16384 x 2048]), replayed from a CUDA graph of 200 calls, under each BLAS library torch offers
+(``preferred_blas_library``: cuBLAS, cuBLASLt), and prints microseconds per call, achieved TB/s
+and the fused/separate ratio. A probe for a design choice, not a benchmark of hf_zero3.
 Run: python benchmarks/generation/gemm_fusion_probe.py   (GPU only; PROBE_ROWS=8,64)
 """
 
@@ -48,18 +49,19 @@ def main():
     dev, dt = torch.device("cuda"), torch.bfloat16
     w = {name: torch.randn(n, k, device=dev, dtype=dt) for name, (n, k) in dict(
         q=(H, H), k=(KV, H), v=(KV, H), o=(H, H), gate=(I, H), up=(I, H), down=(H, I), lm_head=(V, H),
-        qkv=(H + 2 * KV, H), gate_up=(2 * I, H)).items()}
+        qkv=(H + 2 * KV, H), kv=(2 * KV, H), gate_up=(2 * I, H)).items()}
     rows = []
-    for m in ROWS:
+    for lib, m in [(lib, m) for lib in ("cublas", "cublaslt") for m in ROWS]:
+        torch.backends.cuda.preferred_blas_library(lib)
         x, xi = torch.randn(m, H, device=dev, dtype=dt), torch.randn(m, I, device=dev, dtype=dt)
         us = {name: time_us(lambda t=t, inp=(xi if name == "down" else x): F.linear(inp, t)) for name, t in w.items()}
         for name, t in w.items():
-            rows.append(dict(rows=m, gemm=name, us=us[name], tb_s=t.numel() * 2 / (us[name] * 1e-6) / 1e12))
-        for fused, parts in (("qkv", ("q", "k", "v")), ("gate_up", ("gate", "up"))):
-            rows.append(dict(rows=m, gemm=f"{fused} fused / separate", ratio=us[fused] / sum(us[p] for p in parts)))
+            rows.append(dict(blas=lib, rows=m, gemm=name, us=us[name], tb_s=t.numel() * 2 / (us[name] * 1e-6) / 1e12))
+        for fused, parts in (("qkv", ("q", "k", "v")), ("kv", ("k", "v")), ("gate_up", ("gate", "up"))):
+            rows.append(dict(blas=lib, rows=m, gemm=f"{fused} fused / separate", ratio=us[fused] / sum(us[p] for p in parts)))
         layer = sum(us[p] for p in ("q", "k", "v", "o", "gate", "up", "down"))
         fused_layer = us["qkv"] + us["o"] + us["gate_up"] + us["down"]
-        rows.append(dict(rows=m, gemm="layer, 16 layers + lm_head (us)", separate=16 * layer + us["lm_head"],
+        rows.append(dict(blas=lib, rows=m, gemm="layer, 16 layers + lm_head (us)", separate=16 * layer + us["lm_head"],
                          fused=16 * fused_layer + us["lm_head"]))
     for r in rows:
         print(json.dumps(r))

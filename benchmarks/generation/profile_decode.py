@@ -5,7 +5,11 @@ parameters and the static cache keep their addresses from one call to the next.
 Same model and setup as ``bench_decode.py`` (Llama-3.2-1B shape, bf16, ZeRO-3, 64-token prompts,
 128 new tokens, one rank). A diagnosis tool, not a benchmark: it synchronizes around each phase.
 Prints one JSON object per measurement (``^{``) and writes them to ``profile_decode.json``.
-Run: python benchmarks/generation/profile_decode.py   (GPU only; PROFILE_MODES=default,max-autotune)
+Modes: ``default`` (torch.compile's defaults), ``max-autotune`` (inductor's GEMM autotuning),
+``combo`` (inductor's ``combo_kernels``: independent small kernels launched as one). Per mode it
+also profiles one prefill (GPU busy time and top kernels against its wall time) and the host
+functions of one whole warm call (cProfile, top cumulative).
+Run: python benchmarks/generation/profile_decode.py   (GPU only; PROFILE_MODES=default,max-autotune,combo)
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ def rank_main():
         print(json.dumps(row, default=str), flush=True)
 
     timers = collections.defaultdict(float)
-    probe = {"profile": False, "result": None, "ptrs": []}
+    probe = {"profile": False, "result": None, "ptrs": [], "prefill": False, "prefill_result": None}
 
     def timed(name, fn):
         def wrapper(*a, **k):
@@ -58,7 +62,22 @@ def rank_main():
             return out
         return wrapper
 
-    gd._Loop.prefill = timed("prefill", gd._Loop.prefill)
+    orig_prefill = gd._Loop.prefill
+
+    def prefill(self):
+        if not probe["prefill"]:
+            return orig_prefill(self)
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            orig_prefill(self)
+            torch.cuda.synchronize()
+        probe["prefill_result"] = (prof, time.perf_counter() - t)
+        probe["prefill"] = False
+
+    gd._Loop.prefill = timed("prefill", prefill)
     gd._Runner._first = timed("first_step", gd._Runner._first)
     gd._Runner._capture = timed("capture", gd._Runner._capture)
     orig_decode = gd.decode
@@ -109,6 +128,7 @@ def rank_main():
         torch._dynamo.reset()
         gd._COMPILED.clear()
         opts = {}
+        torch._inductor.config.combo_kernels = mode == "combo"
         if mode == "max-autotune":
             torch._inductor.config.coordinate_descent_tuning = True
             opts = {"mode": "max-autotune-no-cudagraphs"}
@@ -144,6 +164,24 @@ def rank_main():
             emit(what="kernels", mode=mode, batch=batch, steps=n, gpu_us_per_step=total_us / n,
                  kernels_per_step=sum(v[0] for v in agg.values()) / n,
                  top=[(k[:110], v[0] / n, round(v[1] / n, 1)) for k, v in top])
+            # one prefill's kernels against its wall time (GPU-bound or host-bound?)
+            probe["prefill"] = True
+            generate(batch, ids, 8)
+            prof, wall = probe["prefill_result"]
+            emit(what="prefill_kernels", mode=mode, batch=batch, wall_ms=wall * 1e3, **_kernels(prof, 1, 20))
+            # the host side of one warm call: where the time outside the decode steps goes
+            import cProfile
+            import io
+            import pstats
+
+            pr = cProfile.Profile()
+            pr.enable()
+            generate(batch, ids, 8)
+            pr.disable()
+            buf = io.StringIO()
+            pstats.Stats(pr, stream=buf).sort_stats("cumulative").print_stats(45)
+            emit(what="host_profile", mode=mode, batch=batch,
+                 top=[line.strip()[:160] for line in buf.getvalue().splitlines() if line.strip()][:60])
 
     # addresses across calls: back to back, after a layer-wise forward, after a training step
     probe["ptrs"].clear()
@@ -164,6 +202,19 @@ def rank_main():
          params_same_as_first=[x[0] == p[0][0] for x in p], cache_same_as_first=[x[1] == p[0][1] for x in p],
          params_moved=[sum(a != b for a, b in zip(x[0], p[0][0])) for x in p], n_params=len(p[0][0]))
     return rows
+
+
+def _kernels(prof, n: int, k: int) -> dict:
+    import torch
+
+    agg = collections.defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            agg[e.name][0] += 1
+            agg[e.name][1] += e.time_range.elapsed_us()
+    top = sorted(agg.items(), key=lambda kv: -kv[1][1])[:k]
+    return dict(gpu_us=sum(v[1] for v in agg.values()) / n, kernels=sum(v[0] for v in agg.values()) / n,
+                top=[(name[:110], c / n, round(us / n, 1)) for name, (c, us) in top])
 
 
 def main():
