@@ -10,7 +10,9 @@ agreed stops are transformers' and ours as in eager decoding; only the forward i
 * **When.** ``decode="compiled"``: always, unless the model or the options cannot (beam search,
   encoder-decoder models, a cache passed in or another cache implementation, a model transformers
   does not mark compileable), or the region gathers layer by layer (ZeRO-3's hooks run in every
-  forward). ``decode="auto"``: the same, on CUDA only. ``decode="eager"``: never. Each fallback
+  forward). ``decode="auto"`` (the default): the same, on CUDA only, and not when the engine runs
+  DeepCompile or the generation config sets ``disable_compile`` (TRL's GRPO does; ``"compiled"``
+  overrides both). ``decode="eager"``: never. Each fallback
   says why once (``hf_zero3_last_generate.decode_reason``; one log line).
 * **No recompiles across calls.** The static cache is sized to the prompt + new tokens rounded up
   to ``bucket`` tokens (transformers keeps the largest size seen, so later calls of any length up
@@ -55,9 +57,11 @@ def _gen_value(model, kwargs: dict, name: str, default=None):
     return getattr(getattr(model, "generation_config", None), name, default)
 
 
-def resolve(model, mode: str, kwargs: dict) -> tuple[bool, str | None]:
+def resolve(model, mode: str, kwargs: dict, deepcompile: bool = False) -> tuple[bool, str | None]:
     """(compile the decode step?, why not). Local and cheap: a decode step gathers nothing inside a
-    whole-model region, so ranks deciding differently still issue the same collectives."""
+    whole-model region, so ranks deciding differently still issue the same collectives.
+    ``deepcompile``: the model's engine runs DeepCompile (``"auto"`` then declines: a second
+    ``torch.compile`` of its module for decoding has not been verified beside DeepCompile's graphs)."""
     if mode == "eager":
         return False, "decode='eager'"
     reason = None
@@ -81,6 +85,8 @@ def resolve(model, mode: str, kwargs: dict) -> tuple[bool, str | None]:
         reason = "disable_compile=True (decode='compiled' overrides it)"
     elif not getattr(model, "_can_compile_fullgraph", False):
         reason = f"transformers does not mark {type(model).__name__} compileable (_can_compile_fullgraph)"
+    elif mode == "auto" and deepcompile:
+        reason = "decode='auto' does not compile decoding beside DeepCompile's graphs (decode='compiled' forces it)"
     elif mode == "auto" and getattr(getattr(model, "device", None), "type", "cpu") != "cuda":
         reason = "decode='auto' compiles on CUDA only (decode='compiled' forces it)"
     if reason is not None:

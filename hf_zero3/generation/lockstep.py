@@ -56,9 +56,10 @@ class LockstepConfig:
         gather: ``"auto"`` (whole model once per call if every rank has the memory, else layer by
             layer), ``"all"`` or ``"layerwise"``.
         group: process group to agree over; default: the parameters' own gather group.
-        decode: ``"auto"`` (a static KV cache and transformers' compiled decode step when the
-            whole model is gathered, on CUDA), ``"compiled"`` (the same, on any device) or
-            ``"eager"``; see :mod:`hf_zero3.generation.compiled_decode`.
+        decode: ``"auto"`` (default: a static KV cache and a compiled decode step when the
+            whole model is gathered, on CUDA, unless the engine runs DeepCompile or the generation
+            config says ``disable_compile``), ``"compiled"`` (the same, on any device, overriding
+            both) or ``"eager"``; see :mod:`hf_zero3.generation.compiled_decode`.
         bucket: compiled decoding sizes its static cache to prompt + new tokens rounded up to
             this many tokens, so calls of other lengths in the bucket reuse the compiled step.
         graph_steps: compiled decoding on CUDA replays this many decode steps per CUDA-graph
@@ -70,7 +71,7 @@ class LockstepConfig:
     sync_every: int = 1
     gather: str = "auto"
     group: Any = None
-    decode: str = "eager"  # "auto" becomes the default once its GPU tests and benchmark have run
+    decode: str = "auto"
     bucket: int = 64
     graph_steps: int = 8
 
@@ -270,7 +271,7 @@ class Zero3GenerationMixin:
             _check_group_matches(self, group)
             hf_up.generation_hooks_present()
             _refuse_rank_divergent_options(cfg, args, kwargs)
-            want, why = compiled_decode.resolve(self, cfg.decode, kwargs)
+            want, why = compiled_decode.resolve(self, cfg.decode, kwargs, deepcompile=rt.deepcompile_active())
             if want:
                 compiled_decode.prepare(self, args, kwargs, cfg.bucket)
         except Exception as exc:  # shared at the call's first agreement: every rank raises it
@@ -450,7 +451,7 @@ def _generating_model(obj) -> nn.Module:
 
 
 def lockstep(model, *, stop: str = "sync", sync_every: int = 1, gather: str = "auto",
-             group=None, decode: str = "eager", bucket: int = 64, graph_steps: int = 8):
+             group=None, decode: str = "auto", bucket: int = 64, graph_steps: int = 8):
     """Make ``model.generate()`` run in lockstep under ZeRO-3, in place (no weights reloaded).
 
     ``model`` may be a transformers model, a PEFT-wrapped one, or a DeepSpeed engine (its
@@ -466,7 +467,7 @@ def lockstep(model, *, stop: str = "sync", sync_every: int = 1, gather: str = "a
 
 
 def lockstep_generate(model, *, stop: str = "sync", sync_every: int = 1, gather: str = "auto",
-                      group=None, decode: str = "eager", bucket: int = 64, graph_steps: int = 8,
+                      group=None, decode: str = "auto", bucket: int = 64, graph_steps: int = 8,
                       **generate_kwargs):
     """``model.generate(**generate_kwargs)`` in lockstep, leaving ``model``'s class as it was.
 

@@ -53,13 +53,15 @@ class Zero3Safe(TrainerCallback):
         memory_plan: under DeepCompile ZeRO-3, use hf_zero3's memory plan (see :mod:`hf_zero3.compile`).
         trl: on a TRL trainer, apply :func:`hf_zero3.trl.apply` (reuse TRL's gathered model, align
             generation calls across ranks).
-        decode: lockstep generation's decoding, ``"eager"``, ``"compiled"`` or ``"auto"`` (a static
-            KV cache and a compiled decode step in whole-model regions, e.g. TRL's rollouts; see
-            :mod:`hf_zero3.generation.compiled_decode`).
+        decode: lockstep generation's decoding: ``"auto"`` (default: a static KV cache and a
+            compiled decode step in whole-model regions on CUDA, except beside DeepCompile and
+            where the generation config sets ``disable_compile``, as TRL's GRPO does),
+            ``"compiled"`` (also there: TRL's rollouts take it so) or ``"eager"``; see
+            :mod:`hf_zero3.generation.compiled_decode`.
     """
 
     def __init__(self, gather: str = "auto", stop: str = "sync", sync_every: int = 1,
-                 strict_versions: bool = False, memory_plan: bool = True, trl: bool = True, decode: str = "eager"):
+                 strict_versions: bool = False, memory_plan: bool = True, trl: bool = True, decode: str = "auto"):
         if gather not in GATHER_MODES:
             raise ValueError(f"gather must be one of {GATHER_MODES}, not {gather!r}")
         self.lockstep = LockstepConfig(stop, sync_every, gather, decode=decode).validate()

@@ -123,6 +123,26 @@ def test_bad_decode_settings_are_refused_by_name():
         LockstepConfig(graph_steps=-1).validate()
 
 
+def test_auto_is_the_default_and_declines_beside_deepcompile():
+    """decode="auto" is lockstep's and Zero3Safe's default; it names why it does not compile beside
+    DeepCompile's graphs (checked before the device, so it shows on CPU) and "compiled" overrides."""
+    from transformers import LlamaForCausalLM
+
+    import hf_zero3
+    from hf_zero3.generation import compiled_decode
+    from hf_zero3.generation.lockstep import LockstepConfig
+    from hf_zero3.testing import models
+
+    assert LockstepConfig().decode == "auto" and hf_zero3.Zero3Safe().lockstep.decode == "auto"
+    model = LlamaForCausalLM(models.tiny_llama_config())
+    kw = dict(max_new_tokens=4)
+    want, why = compiled_decode.resolve(model, "auto", kw, deepcompile=True)
+    assert not want and "DeepCompile" in why and "decode='compiled' forces it" in why
+    assert compiled_decode.resolve(model, "compiled", kw, deepcompile=True) == (True, None)
+    want, why = compiled_decode.resolve(model, "auto", kw, deepcompile=False)
+    assert not want and "CUDA only" in why  # this machine's model is on CPU
+
+
 def _grpo_compiled_rank(tmpdir: str, diverge_eos: bool):
     """TRL's GRPO (TRL gathers the model for its rollouts) with Zero3Safe(decode="compiled")."""
     import hf_zero3
