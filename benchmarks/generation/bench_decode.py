@@ -2,8 +2,9 @@
 gathered (TRL's ``unwrap_model_for_generation`` + ``generate``: all parameters gathered, ZeRO-3's
 hooks off, here through ``hf_zero3.eval_forward(gather="all")``), transformers' static cache as is,
 and lockstep's compiled decode (``decode="compiled"``: hf_zero3's static loop without CUDA graphs,
-with graphs of 8 steps and of 1 step, a stop agreement every 8 steps), same run, batch 8 and 64,
-128 new tokens.
+with graphs of 8 steps and of 1 step, a stop agreement every 8 steps; and with graphs of 8 steps
+without the fused q/k/v projections, ``HF_ZERO3_FUSE_QKV=0``), same run, batch 8 and 64, 128 new
+tokens.
 
 Rows end at rank-dependent lengths: ``useful_tokens`` counts each row up to its own target length
 (drawn per rank, row 0 of rank 0 runs all 128), and every configuration runs the 128 decode
@@ -38,8 +39,8 @@ PROMPT = 64
 PARTIAL = os.path.join(os.environ.get("OUT", HERE), "decode_partial.jsonl")
 # the slow per-layer baseline last, so that a run cut short still has the main comparison
 CONFIGS = ("hf_eager_gathered", "hf_static_gathered", "hf_zero3_static_loop", "hf_zero3_graphs", "hf_zero3_graphs1",
-           "layerwise")
-GRAPH_STEPS = {"hf_zero3_static_loop": 0, "hf_zero3_graphs": 8, "hf_zero3_graphs1": 1}
+           "hf_zero3_graphs_unfused", "layerwise")
+GRAPH_STEPS = {"hf_zero3_static_loop": 0, "hf_zero3_graphs": 8, "hf_zero3_graphs1": 1, "hf_zero3_graphs_unfused": 8}
 
 
 def rank_main():
@@ -80,6 +81,8 @@ def rank_main():
         useful = int(targets.sum())
         for name in CONFIGS:
             times, outs = [], []
+            hf_zero3.release_decode_graphs(module)  # each configuration builds its own loop
+            os.environ["HF_ZERO3_FUSE_QKV"] = "0" if name == "hf_zero3_graphs_unfused" else "1"
             for rep in range(2):
                 mark(f"batch {batch} {name} rep {rep}")
                 kw = dict(input_ids=ids, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0, eos_token_id=None)
@@ -103,6 +106,7 @@ def rank_main():
                              capture_s=getattr(ours, "graph_capture_s", None),
                              first_call_capture_s=first_capture, graphs_reused=getattr(ours, "graphs_reused", None),
                              attention=getattr(ours, "attention", None),
+                             fused_projections=getattr(ours, "fused_projections", None),
                              same_tokens_both_calls=bool(torch.equal(outs[0], outs[1])),
                              forwards=getattr(stats, "forwards", None), compiles=getattr(stats, "compiles", None),
                              weight_bytes=n_bytes))
@@ -139,7 +143,7 @@ def main():
     setup = dict(world=world, max_new_tokens=MAX_NEW, prompt=PROMPT, batches=BATCHES)
     path = save("decode", {"setup": setup, "rows": rows}, HERE)
     print(setup)
-    print(table(rows, ["batch", "config", "decode", "loop", "graph_steps", "forwards", "seconds", "capture_s", "first_call_capture_s", "graphs_reused", "tokens_per_s",
+    print(table(rows, ["batch", "config", "decode", "loop", "graph_steps", "fused_projections", "forwards", "seconds", "capture_s", "first_call_capture_s", "graphs_reused", "tokens_per_s",
                        "step_tokens_per_s", "compile_s", "fraction_of_floor",
                        "vs_hf_eager_gathered", "vs_hf_static"]))
     print(f"raw numbers: {path}")

@@ -49,7 +49,7 @@ import weakref
 import torch
 
 from .._upstream import transformers as hf_up
-from . import decode_attention
+from . import decode_attention, fused_projections
 
 __all__ = ["GRAPH_SAFE_PROCESSORS", "GRAPH_SAFE_CRITERIA", "unsupported", "decode", "failure", "release"]
 
@@ -124,7 +124,17 @@ def _cache_length(cache) -> int:
 
 
 def _why(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    """One line: the error's first line, and Dynamo's own pointer to what it could not trace
+    (its ``Developer debug context``: the function, file or operator) when it gives one."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    why = f"{type(exc).__name__}: {lines[0][:200] if lines else ''}"
+    context = [ln for ln in lines[1:] if ln.startswith("Developer debug context:")]
+    if context:
+        why += f" [{context[0][len('Developer debug context:'):].strip()[:300]}]"
+    frames = [ln for ln in lines[lines.index("from user code:") + 1:] if ln.startswith("File ")] if "from user code:" in lines else []
+    if frames:
+        why += f" at {frames[-1][:200]}"  # the innermost traced line
+    return why
 
 
 def failure(model) -> str | None:
@@ -158,7 +168,8 @@ class _Loop:
     decode steps, kept across calls (see :func:`_loop_for`); per call, :meth:`start` fills them in
     place and :meth:`end` drops the call's objects (the model among them: a kept loop holds none)."""
 
-    def __init__(self, batch: int, length: int, device, eos: torch.Tensor | None, sample: bool, gqa: bool):
+    def __init__(self, batch: int, length: int, device, eos: torch.Tensor | None, sample: bool, gqa: bool,
+                 fused: tuple[str, ...] = ()):
         self.mask = torch.ones(batch, length, dtype=torch.long, device=device)
         self.pos = torch.zeros(batch, dtype=torch.long, device=device)
         self.tok = torch.zeros(batch, dtype=torch.long, device=device)
@@ -171,6 +182,8 @@ class _Loop:
         self.alive = torch.ones(length, dtype=torch.bool, device=device)
         self.sample = sample
         self.gqa = gqa  # decode steps attend with decode_attention (part of the model's state the key holds)
+        self.fused = fused_projections.Fused(fused)  # attention modules whose q/k/v run as one GEMM
+        self.fused_layers = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # steps per graph -> graph
         self.cache_ptrs = None  # the cache tensors the graphs were captured with
         self.cache_small = None  # per layer, its small tensors (length counters) the graphs read
@@ -206,9 +219,11 @@ class _Loop:
         self.out[:, :budget].fill_(self.pad)
         self.alive.fill_(True)
         self.extra = _forward_kwargs(model)
+        self.fused_layers = self.fused.bind(model)  # this call's weights, copied into one buffer per call
         self.call = _compiled_call(type(model)) if self.compiled else type(model).__call__  # call(model, ...)
 
     def end(self) -> None:
+        self.fused.free()
         self.model = self.cache = self.prompt = self.processors = self.call = None
         self.prompt_mask = self.prompt_positions = None
 
@@ -230,7 +245,7 @@ class _Loop:
                             and now.dtype == kept.dtype and now.device == kept.device):
                         kept.copy_(now)
                         setattr(layer, name, kept)
-        ptrs = tuple(_tensor_ptrs(layer) for layer in self.cache.layers) + (_tensor_ptrs(self.cache),)
+        ptrs = tuple(_tensor_ptrs(layer) for layer in self.cache.layers) + (_tensor_ptrs(self.cache), self.fused.ptr)
         if ptrs != self.cache_ptrs:
             self.graphs.clear()
             self.warm = False  # the next step runs uncaptured (any recompile happens outside a capture)
@@ -249,7 +264,8 @@ class _Loop:
         self.pos.add_(1)
         kwargs = dict(input_ids=self.tok.view(-1, 1), attention_mask=self.mask, position_ids=self.pos.view(-1, 1),
                       past_key_values=self.cache, use_cache=True, **self.extra)
-        with decode_attention.use(self.model, self.gqa), hf_up.input_grad_hooks_suspended(self.model):
+        with (decode_attention.use(self.model, self.gqa), self.fused.use(),
+              hf_up.input_grad_hooks_suspended(self.model)):
             try:
                 out = self.call(self.model, **kwargs)
             except _COMPILE_ERRORS as exc:
@@ -362,7 +378,7 @@ def _loop_for(model, input_ids, processors, generation_config, stopping_criteria
             kept.move_to_end(key[0])
             return entry[1], True
     loop = _Loop(input_ids.shape[0], _cache_length(cache), input_ids.device, eos, bool(generation_config.do_sample),
-                 decode_attention.applies(model))
+                 decode_attention.applies(model), fused_projections.plan(model))
     if key is not None:
         kept[key[0]] = (key[1], loop)
         kept.move_to_end(key[0])
@@ -482,5 +498,5 @@ def decode(model, call, input_ids, logits_processor, stopping_criteria, generati
         _forget(model, loop)  # later calls take transformers' loop (failure() says why)
     call.finish_loop(tokens, done_at, compiled=loop.compiled, graph_steps=runner.graph_steps,
                      capture_s=runner.capture_s, loop_reused=kept, graphs_reused=runner.reused,
-                     attention=decode_attention.NAME if loop.gqa else None)
+                     attention=decode_attention.NAME if loop.gqa else None, fused_projections=loop.fused_layers)
     return out

@@ -116,6 +116,7 @@ class LockstepStats:
     loop_reused: bool = False  # the static loop's buffers came from an earlier call (see graph_decode)
     graphs_reused: bool = False  # replayed CUDA graphs an earlier call captured (same parameters, cache, state)
     attention: str | None = None  # the decode steps' attention where the static loop replaced the model's (GQA)
+    fused_projections: int = 0  # attention modules whose decode-step q/k/v projections ran as one GEMM
 
 
 class _Call:
@@ -225,7 +226,7 @@ class _Call:
 
     def finish_loop(self, forwards: int, done_at: int | None, *, compiled: bool, graph_steps: int,
                     capture_s: float = 0.0, loop_reused: bool = False, graphs_reused: bool = False,
-                    attention: str | None = None) -> None:
+                    attention: str | None = None, fused_projections: int = 0) -> None:
         """hf_zero3's static loop ran ``forwards`` forwards (see :mod:`.graph_decode`)."""
         if self.rt.join is not None:
             done_at = 0  # a joining rank's rows are placeholders, done from the start
@@ -237,6 +238,7 @@ class _Call:
         self.stats.loop_reused = loop_reused
         self.stats.graphs_reused = graphs_reused
         self.stats.attention = attention
+        self.stats.fused_projections = fused_projections
         if not compiled:
             self.stats.decode = "eager"
             self.stats.decode_reason = graph_decode.failure(self.model)

@@ -224,7 +224,7 @@ def _static_loop_batches_rank():
         s = engine.module.hf_zero3_last_generate
         out[name] = dict(out=got.tolist(), loop=s.loop, loop_reason=s.loop_reason, decode=s.decode,
                          reason=s.decode_reason, forwards=s.forwards, extra=s.extra_forwards,
-                         reused=s.loop_reused, attention=s.attention)
+                         reused=s.loop_reused, attention=s.attention, fused=s.fused_projections)
 
     run("eager", decode="eager")
     run("compiled", decode="compiled")
@@ -311,6 +311,8 @@ def test_a_second_call_reuses_the_loop_only_with_the_same_parameters_and_state(b
         assert r["held_sampled"]["out"] == r["eager_sampled"]["out"]
         # the tiny Llama is a GQA model: its decode steps attend with the grouped-heads attention
         assert r["compiled"]["attention"] == NAME and r["eager"]["attention"] is None
+        # and their q/k/v projections run as one GEMM per layer (the tiny Llama has 2 layers)
+        assert r["compiled"]["fused"] == r["held_2"]["fused"] == 2 and r["eager"]["fused"] == 0
 
 
 def test_checkpointings_input_grad_hook_does_not_stop_the_compiled_step(batch_results):

@@ -1,0 +1,163 @@
+"""A decode step's query, key and value projections as one GEMM.
+
+At decode shapes (a few to 64 rows) a GEMM over a small weight is bound by its launch and ramp,
+not by reading the weight: on one H200 (bf16, Llama-3.2-1B shape, ``gemm_fusion_probe.py``) the
+three projections took 15.6 us separately (the 1 MB key and value weights at 0.4 TB/s) and 5.5 us
+as one [3072 x 2048] weight, at 8 and at 64 rows; the compiled step's profile showed the same
+three kernels at 17 us per layer. The gate/up pair is not fused: one [16384 x 2048] GEMM was
+slower than the two (1.12-1.37x).
+
+hf_zero3's static loop (:mod:`.graph_decode`) uses it for its decode steps only: per call it
+copies each attention module's three weights (and biases) into one buffer (the values change
+between calls: a training step), and inside a decode step the three projection modules return
+slices of one GEMM over it. Exactly the modules it can see are plain ``nn.Linear`` siblings named
+``q_proj``/``k_proj``/``v_proj`` over the same input, without hooks or patched forwards (a LoRA
+layer, a quantized linear, an accelerate hook keep their own); a projection called with another
+input than its siblings' computes its own. The buffer lives for the call (it is as large as the
+three weights: about 8 % of a Llama model's weights) and is freed at its end; a later call's
+graphs replay only when its buffer lands at the same address (``graph_decode`` checks).
+``HF_ZERO3_FUSE_QKV=0`` turns it off (the decode step then runs the model's own projections).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["NAMES", "plan", "Fused"]
+
+NAMES = ("q_proj", "k_proj", "v_proj")
+_FORWARDS: "weakref.WeakKeyDictionary[nn.Module, object]" = weakref.WeakKeyDictionary()  # Linear -> its forward
+_SLOTS: "weakref.WeakKeyDictionary[nn.Module, _Slot]" = weakref.WeakKeyDictionary()  # attention -> its slot
+
+
+class _Slot:
+    """One attention module's fused weight for the call, and the GEMM's parts until each sibling
+    took its own. Kept per module across calls (the forwards read it; Dynamo guards on them)."""
+
+    def __init__(self, names: tuple[str, ...]):
+        self.names = names
+        self.sizes: list[int] = []
+        self.weight = self.bias = self.x = None
+        self.out: dict = {}
+
+
+def _forward(slot: _Slot, name: str, own: nn.Linear):
+    own_ref = weakref.ref(own)  # the forward outlives no module: it must not hold its own
+
+    def forward(x):
+        if slot.x is not x or name not in slot.out:
+            if slot.out:  # a sibling called with another input: this one computes its own
+                mod = own_ref()
+                return F.linear(x, mod.weight, mod.bias)
+            parts = F.linear(x, slot.weight, slot.bias).split(slot.sizes, dim=-1)
+            slot.x, slot.out = x, {n: p.contiguous() for n, p in zip(slot.names, parts)}
+        y = slot.out.pop(name)
+        if not slot.out:
+            slot.x = None  # nothing of the step outlives it
+        return y
+
+    return forward
+
+
+def _fusable(parent: nn.Module) -> bool:
+    mods = [getattr(parent, n, None) for n in NAMES]
+    if any(type(m) is not nn.Linear for m in mods):
+        return False
+    if any(m._forward_hooks or m._forward_pre_hooks or "forward" in vars(m) for m in mods):
+        return False
+    if len({m.in_features for m in mods}) != 1 or len({m.bias is None for m in mods}) != 1:
+        return False
+    ws = [m.weight for m in mods]
+    return (len({(w.dtype, w.device) for w in ws}) == 1
+            and all(w.dim() == 2 and w.numel() == m.in_features * m.out_features for w, m in zip(ws, mods)))
+
+
+def plan(model: nn.Module) -> tuple[str, ...]:
+    """Names of ``model``'s attention modules whose projections can be fused (while gathered)."""
+    if os.environ.get("HF_ZERO3_FUSE_QKV", "1").strip().lower() in ("0", "false", "no", "off"):
+        return ()
+    return tuple(name for name, m in model.named_modules() if _fusable(m))
+
+
+class Fused:
+    """The fused weights of one call: :meth:`bind` copies them in, :meth:`use` routes the decode
+    step's projections through them, :meth:`free` drops them."""
+
+    def __init__(self, names: tuple[str, ...]):
+        self.names = names
+        self.buffer: torch.Tensor | None = None
+        self.parents: list[nn.Module] = []
+
+    @property
+    def ptr(self) -> int:
+        """The buffer's address (0: nothing fused this call): the graphs were captured with it."""
+        return self.buffer.data_ptr() if self.buffer is not None else 0
+
+    def bind(self, model: nn.Module) -> int:
+        """Copy the current weights into one buffer; the number of attention modules fused (0 when
+        the model no longer matches the plan or the device lacks the memory)."""
+        self.free()
+        parents = [model.get_submodule(n) for n in self.names]
+        if not parents or not all(_fusable(p) for p in parents):
+            return 0
+        first = getattr(parents[0], NAMES[0]).weight
+        with_bias = getattr(parents[0], NAMES[0]).bias is not None
+        rows = [[getattr(p, n).out_features for n in NAMES] for p in parents]
+        widths = [getattr(p, NAMES[0]).in_features for p in parents]
+        need = sum(sum(r) * (w + with_bias) for r, w in zip(rows, widths))
+        if first.is_cuda and torch.cuda.mem_get_info(first.device)[0] < 2 * need * first.element_size():
+            return 0  # rank-local and safe: a decode step runs no collective, only its GEMMs differ
+        self.buffer = torch.empty(need, dtype=first.dtype, device=first.device)
+        at = 0
+        with torch.no_grad():
+            for p, r, w in zip(parents, rows, widths):
+                slot = _SLOTS.get(p)
+                if slot is None:
+                    slot = _SLOTS[p] = _Slot(NAMES)
+                n = sum(r)
+                slot.weight = self.buffer[at:at + n * w].view(n, w)
+                torch.cat([getattr(p, name).weight for name in NAMES], out=slot.weight)
+                at += n * w
+                if with_bias:
+                    slot.bias = self.buffer[at:at + n]
+                    torch.cat([getattr(p, name).bias for name in NAMES], out=slot.bias)
+                    at += n
+                slot.sizes = r
+        self.parents = parents
+        return len(parents)
+
+    @contextlib.contextmanager
+    def use(self):
+        """Inside: the bound modules' projections are slices of one GEMM (nothing when unbound)."""
+        patched = []
+        try:
+            for p in self.parents:
+                slot = _SLOTS[p]
+                for name in NAMES:
+                    mod = getattr(p, name)
+                    fn = _FORWARDS.get(mod)
+                    if fn is None:
+                        fn = _FORWARDS[mod] = _forward(slot, name, mod)
+                    mod.forward = fn
+                    patched.append(mod)
+            yield
+        finally:
+            for mod in patched:
+                vars(mod).pop("forward", None)
+            for p in self.parents:
+                slot = _SLOTS[p]
+                slot.x, slot.out = None, {}
+
+    def free(self) -> None:
+        for p in self.parents:
+            slot = _SLOTS.get(p)
+            if slot is not None:
+                slot.weight = slot.bias = slot.x = None
+                slot.out = {}
+        self.parents, self.buffer = [], None
