@@ -7,6 +7,7 @@ Checked against DeepSpeed 0.19.8 (``CHECKED``); each accessor has a contract tes
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Iterator
 
 import torch
@@ -125,6 +126,46 @@ def offload_from_module_hooks(module: nn.Module):
         if found is not None and getattr(found, "module", None) is module:
             return found
     return None
+
+
+# DeepSpeed's engine runs its forward prologue/epilogue (throughput and wall-clock timers, ZeRO-3's
+# external-parameter flag, fp16 input casting, the flops profiler) as forward hooks on the module
+# itself (``engine.module_forward_pre_hook`` / ``module_forward_post_hook``), so they run inside
+# any ``torch.compile`` of the module's ``__call__``. Once the engine has stepped twice (the
+# throughput timer's ``start_step``) the prologue syncs the device and reads ``time.time()``, which
+# Dynamo cannot trace: a compiled decode step stopped compiling at a user's third rollout (found by
+# the GRPO GPU test, reproduced on CPU with torch 2.11). None of it applies to a decode step in a
+# gathered region: its parameters are all present and its inputs are token ids.
+ENGINE_FORWARD_HOOKS = ("_module_forward_pre_hook", "_module_forward_post_hook")
+
+
+def engine_forward_hooks(module: nn.Module) -> list[tuple[dict, int]]:
+    """(hook table, handle id) of the prologue/epilogue hooks a ``DeepSpeedEngine`` put on ``module``."""
+    found = []
+    for _, table in module_hook_dicts(module):
+        for key, fn in list(table.items()):
+            if (getattr(fn, "__name__", None) in ENGINE_FORWARD_HOOKS
+                    and _closure_object(fn, "DeepSpeedEngine", depth=1) is not None):
+                found.append((table, key))
+    return found
+
+
+@contextlib.contextmanager
+def engine_forward_hooks_suspended(module: nn.Module):
+    """Inside: the engine's forward prologue/epilogue hooks on ``module`` do not run."""
+    found = engine_forward_hooks(module)
+    tables = {id(t): (t, list(t.items())) for t, _ in found}  # each table's order, to put back as it was
+    for table, key in found:
+        del table[key]
+    try:
+        yield
+    finally:
+        for table, before in tables.values():
+            now = dict(table)
+            gone = {key for t, key in found if t is table}
+            table.clear()
+            table.update((k, now.get(k, fn)) for k, fn in before if k in now or k in gone)
+            table.update((k, fn) for k, fn in now.items() if k not in table)
 
 
 def _closure_object(fn, cls_name: str, depth: int):

@@ -48,6 +48,7 @@ import weakref
 
 import torch
 
+from .._upstream import deepspeed as ds_up
 from .._upstream import transformers as hf_up
 from . import decode_attention, fused_projections
 
@@ -265,7 +266,7 @@ class _Loop:
         kwargs = dict(input_ids=self.tok.view(-1, 1), attention_mask=self.mask, position_ids=self.pos.view(-1, 1),
                       past_key_values=self.cache, use_cache=True, **self.extra)
         with (decode_attention.use(self.model, self.gqa), self.fused.use(),
-              hf_up.input_grad_hooks_suspended(self.model)):
+              hf_up.input_grad_hooks_suspended(self.model), ds_up.engine_forward_hooks_suspended(self.model)):
             try:
                 out = self.call(self.model, **kwargs)
             except _COMPILE_ERRORS as exc:

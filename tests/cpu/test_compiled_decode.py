@@ -275,6 +275,19 @@ def _static_loop_batches_rank():
         torch._dynamo.config.recompile_limit = limit
         handle.remove()
     out["hooked"]["calls"] = PyCounter.n
+
+    # after two training steps DeepSpeed's forward prologue (a hook on the module, so inside the
+    # compiled __call__) starts its throughput timer with time.time(), which Dynamo cannot trace:
+    # the decode steps run without the engine's prologue/epilogue hooks (TRL's third rollout)
+    engine.train()
+    for _ in range(2):
+        loss = engine(input_ids=ids, attention_mask=mask, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+    engine.eval()
+    run("trained_eager", decode="eager")
+    run("trained", decode="compiled")
+    out["trained"]["engine_steps"] = engine.global_steps
     return out
 
 
@@ -320,6 +333,14 @@ def test_checkpointings_input_grad_hook_does_not_stop_the_compiled_step(batch_re
         g = r["input_grads"]
         assert g["loop"] == "hf_zero3" and g["decode"] == "compiled", g
         assert g["out"] == r["eager"]["out"]
+
+
+def test_the_compiled_step_survives_the_engines_training_steps(batch_results):
+    for r in batch_results:
+        t = r["trained"]
+        assert t["engine_steps"] == 2
+        assert t["loop"] == "hf_zero3" and t["decode"] == "compiled", t
+        assert t["out"] == r["trained_eager"]["out"] and t["forwards"] == r["trained_eager"]["forwards"]
 
 
 def test_a_forward_that_stops_compiling_mid_call_finishes_eagerly(batch_results):

@@ -57,6 +57,15 @@ def _deepspeed_engine_contracts():
     out["offload"] = (offload is not None, ds_up.offload_from_module_hooks(engine.module) is offload,
                       ds_up.offload_module(offload) is engine.module, bool(ids) and ids <= tables)
     out["pending"] = ds_up.pending_optimizer_bytes(engine) > 0
+    module = engine.module
+    found = ds_up.engine_forward_hooks(module)
+    order = [list(t) for _, t in ds_up.module_hook_dicts(module)]
+    with ds_up.engine_forward_hooks_suspended(module):
+        inside = [set(t) for _, t in ds_up.module_hook_dicts(module)]
+    out["engine_hooks"] = (len(found), {k for _, k in found} == {engine.module_forward_pre_hook.id,
+                                                                 engine.module_forward_post_hook.id},
+                           all(k not in t for (_, k) in found for t in inside),
+                           [list(t) for _, t in ds_up.module_hook_dicts(module)] == order)
     out["boundary"] = (hasattr(engine, "is_gradient_accumulation_boundary"), ds_up.accumulation_boundary(engine),
                        ds_up.accumulation_boundary(object()))
     out["deepcompile_supported"] = ds_up.deepcompile_supported()
@@ -85,6 +94,11 @@ def test_engine_accessors(engine_contracts):
     assert engine_contracts["engine"] == (True, True, 0, 3, False, False, False)
     assert engine_contracts["pending"]
     assert engine_contracts["boundary"] == (True, True, True)  # accumulation 1: every step is a boundary
+
+
+def test_the_engines_forward_prologue_hooks_are_found_and_put_back_in_order(engine_contracts):
+    # DeepSpeed 0.19.8 runs its forward prologue/epilogue as two hooks on the module itself
+    assert engine_contracts["engine_hooks"] == (2, True, True, True)
 
 
 def test_eager_hook_owner_found_from_engine_and_from_the_bare_module(engine_contracts):
