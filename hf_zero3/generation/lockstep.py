@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from .. import zero3
+from .._upstream import deepspeed as ds_up
 from .._upstream import transformers as hf_up
 from .._upstream.versions import require
 from ..errors import RankDivergenceError, RankFailure
@@ -362,6 +363,11 @@ class Zero3GenerationMixin:
                                            generation_config, model_kwargs, call.cfg.graph_steps)
             call.stats.loop_reason = why
             compiled_decode.say_once(f"transformers' compiled loop instead of hf_zero3's static loop: {why}")
+            # its compiled forward would trace DeepSpeed's forward prologue too (see
+            # _upstream.deepspeed.engine_forward_hooks); the whole model is gathered, so it has nothing to do
+            with ds_up.engine_forward_hooks_suspended(self):
+                return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
+                                       streamer, **model_kwargs)
         return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
                                streamer, **model_kwargs)
 

@@ -287,6 +287,8 @@ def _static_loop_batches_rank():
     engine.eval()
     run("trained_eager", decode="eager")
     run("trained", decode="compiled")
+    run("trained_rep_eager", decode="eager", repetition_penalty=1.3)
+    run("trained_rep", decode="compiled", repetition_penalty=1.3)  # transformers' compiled loop
     out["trained"]["engine_steps"] = engine.global_steps
     return out
 
@@ -341,6 +343,9 @@ def test_the_compiled_step_survives_the_engines_training_steps(batch_results):
         assert t["engine_steps"] == 2
         assert t["loop"] == "hf_zero3" and t["decode"] == "compiled", t
         assert t["out"] == r["trained_eager"]["out"] and t["forwards"] == r["trained_eager"]["forwards"]
+        rep = r["trained_rep"]
+        assert rep["loop"] == "transformers" and rep["decode"] == "compiled", rep
+        assert rep["out"] == r["trained_rep_eager"]["out"]
 
 
 def test_a_forward_that_stops_compiling_mid_call_finishes_eagerly(batch_results):
