@@ -168,6 +168,17 @@ def engine_forward_hooks_suspended(module: nn.Module):
             table.update((k, fn) for k, fn in now.items() if k not in table)
 
 
+# Attributes ZeRO-3 keeps on every module for its own bookkeeping: ``ds_*`` (ids, counters,
+# registries) and the pre-backward hook's reference count, which grows with every training step
+# (``parameter_offload._pre_backward_module_hook``). A forward reads none of them.
+MODULE_COUNTERS = ("applied_pre_backward_ref_cnt",)
+
+
+def is_module_bookkeeping(name: str) -> bool:
+    """``name`` is an attribute ZeRO-3 sets on modules for itself (not model state)."""
+    return name.startswith("ds_") or name in MODULE_COUNTERS
+
+
 def _closure_object(fn, cls_name: str, depth: int):
     if depth < 0:
         return None

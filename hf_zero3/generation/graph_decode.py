@@ -338,10 +338,11 @@ def _plain_state(obj) -> tuple:
 def _module_state(model) -> tuple:
     """What a replayed graph cannot re-check and a compiled forward would (its guards): every
     module's flags and plain attributes (``training``, PEFT's active/disabled adapters), its hook
-    counts, and the config's plain fields. DeepSpeed's own counters (``ds_*``) are left out."""
+    counts, and the config's plain fields. ZeRO-3's own bookkeeping (``ds_*``, its pre-backward
+    reference count, which a training step moves) is left out."""
     state = []
     for m in model.modules():
-        state.append(tuple(kv for kv in _plain_state(m) if not kv[0].startswith("ds_")))
+        state.append(tuple(kv for kv in _plain_state(m) if not ds_up.is_module_bookkeeping(kv[0])))
         state.append((len(m._forward_hooks), len(m._forward_pre_hooks)))
     config = getattr(model, "config", None)
     if config is not None:

@@ -74,6 +74,11 @@ def test_the_key_follows_parameters_state_hooks_and_processors(parts):
     assert gd._loop_key(model, ids, procs, cfg, None, cache)[1] != key[1]
     handle.remove()
     assert gd._loop_key(model, ids, procs, cfg, None, cache) == key
+    # DeepSpeed's own module counters move with every training step and no forward reads them
+    model.applied_pre_backward_ref_cnt = 3
+    model.model.ds_grads_remaining = 1
+    assert gd._loop_key(model, ids, procs, cfg, None, cache) == key
+    del model.applied_pre_backward_ref_cnt, model.model.ds_grads_remaining
     with torch.no_grad():
         w = model.lm_head.weight
         model.lm_head.weight = torch.nn.Parameter(w.clone())  # new storage, as a new gathered region gives

@@ -105,7 +105,8 @@ def grpo_compiled_decode(tmpdir: str, steps: int = 3, cuda: bool = True):
         def on_step_end(self, args, state, control, model=None, **kwargs):
             g = hf_zero3.runtime_of(model).last_generate
             self.seen.append(dict(loop=g.loop, loop_reason=g.loop_reason, decode=g.decode, reason=g.decode_reason,
-                                  graph_steps=g.graph_steps, reused=g.graphs_reused, attention=g.attention,
+                                  graph_steps=g.graph_steps, reused=g.graphs_reused, loop_reused=g.loop_reused,
+                                  attention=g.attention,
                                   forwards=g.forwards))
 
     tok = tiny_tokenizer()

@@ -45,7 +45,7 @@ def test_trl_grpo_rollouts_run_the_static_loop_with_cuda_graphs(tmp_path):
     from hf_zero3.generation.decode_attention import NAME
 
     res = _run(grpo_compiled_decode, str(tmp_path), timeout=380)
-    print("rollouts:", [[(g["reused"], g["forwards"], g["reason"]) for g in r["rollouts"]] for r in res])  # for the record
+    print("rollouts:", [[(g["loop_reused"], g["reused"], g["forwards"], g["reason"]) for g in r["rollouts"]] for r in res])  # for the record
     for r in res:
         assert len(r["losses"]) == 3 and all(math.isfinite(x) for x in r["losses"]), r
         for g in r["rollouts"]:
