@@ -74,6 +74,8 @@ def _fusable(parent: nn.Module) -> bool:
     if len({m.in_features for m in mods}) != 1 or len({m.bias is None for m in mods}) != 1:
         return False
     ws = [m.weight for m in mods]
+    if any(type(w.data) is not torch.Tensor for w in ws):  # a DTensor / quantized storage keeps its own
+        return False
     return (len({(w.dtype, w.device) for w in ws}) == 1
             and all(w.dim() == 2 and w.numel() == m.in_features * m.out_features for w, m in zip(ws, mods)))
 
