@@ -140,12 +140,17 @@ ENGINE_FORWARD_HOOKS = ("_module_forward_pre_hook", "_module_forward_post_hook")
 
 
 def engine_forward_hooks(module: nn.Module) -> list[tuple[dict, int]]:
-    """(hook table, handle id) of the prologue/epilogue hooks a ``DeepSpeedEngine`` put on ``module``."""
+    """(hook table, handle id) of the prologue/epilogue hooks a ``DeepSpeedEngine`` put on
+    ``module``; none for an engine that casts floating-point inputs to fp16 in its prologue
+    (``fp16.auto_cast``): that cast is not bookkeeping."""
     found = []
     for _, table in module_hook_dicts(module):
         for key, fn in list(table.items()):
-            if (getattr(fn, "__name__", None) in ENGINE_FORWARD_HOOKS
-                    and _closure_object(fn, "DeepSpeedEngine", depth=1) is not None):
+            if getattr(fn, "__name__", None) not in ENGINE_FORWARD_HOOKS:
+                continue
+            engine = _closure_object(fn, "DeepSpeedEngine", depth=1)
+            cast = getattr(engine, "fp16_auto_cast", None)
+            if engine is not None and not (callable(cast) and cast()):
                 found.append((table, key))
     return found
 
@@ -187,7 +192,7 @@ def _closure_object(fn, cls_name: str, depth: int):
             value = cell.cell_contents
         except ValueError:  # empty cell
             continue
-        if type(value).__name__ == cls_name:
+        if any(c.__name__ == cls_name for c in type(value).__mro__):  # subclasses too (hybrid, pipeline engines)
             return value
         if callable(value):
             found = _closure_object(value, cls_name, depth - 1)

@@ -67,3 +67,16 @@ def dynamo_graph_count() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+# Dynamo does not guard on nn.Module hooks by default (``torch._dynamo.config.
+# skip_nnmodule_hook_guards``, True in torch 2.11-2.13): a compiled forward keeps running the hooks
+# it was traced with after hooks are added or removed. A decode step compiled once per model class
+# and called across many generate() calls must see the hooks each call has; found when a hook a
+# test registered after the first compile never ran in the compiled steps.
+def hook_guards():
+    """Inside: forwards compiled here guard on their modules' hooks (a changed hook set recompiles)."""
+    import torch._dynamo
+
+    return torch._dynamo.config.patch(skip_nnmodule_hook_guards=False)
+

@@ -16,7 +16,8 @@ layer, a quantized linear, an accelerate hook keep their own); a projection call
 input than its siblings' computes its own. The buffer lives for the call (it is as large as the
 three weights: about 8 % of a Llama model's weights) and is freed at its end; a later call's
 graphs replay only when its buffer lands at the same address (``graph_decode`` checks).
-``HF_ZERO3_FUSE_QKV=0`` turns it off (the decode step then runs the model's own projections).
+``HF_ZERO3_FUSE_QKV=0`` turns it off from the next call on (the decode steps then run the model's
+own projections; the graphs are captured again).
 """
 
 from __future__ import annotations
@@ -80,9 +81,19 @@ def _fusable(parent: nn.Module) -> bool:
             and all(w.dim() == 2 and w.numel() == m.in_features * m.out_features for w, m in zip(ws, mods)))
 
 
+def _enabled() -> bool:
+    return os.environ.get("HF_ZERO3_FUSE_QKV", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _free_bytes(device) -> int:
+    """What an allocation can take: the driver's free memory and PyTorch's cached, unused blocks."""
+    free = torch.cuda.mem_get_info(device)[0]
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
 def plan(model: nn.Module) -> tuple[str, ...]:
     """Names of ``model``'s attention modules whose projections can be fused (while gathered)."""
-    if os.environ.get("HF_ZERO3_FUSE_QKV", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not _enabled():
         return ()
     return tuple(name for name, m in model.named_modules() if _fusable(m))
 
@@ -103,35 +114,46 @@ class Fused:
 
     def bind(self, model: nn.Module) -> int:
         """Copy the current weights into one buffer; the number of attention modules fused (0 when
-        the model no longer matches the plan or the device lacks the memory)."""
+        it is off, the model no longer matches the plan, or the device lacks the memory)."""
         self.free()
-        parents = [model.get_submodule(n) for n in self.names]
+        if not _enabled():
+            return 0
+        try:
+            parents = [model.get_submodule(n) for n in self.names]
+        except AttributeError:  # the model changed shape since the plan
+            return 0
         if not parents or not all(_fusable(p) for p in parents):
             return 0
         first = getattr(parents[0], NAMES[0]).weight
-        with_bias = getattr(parents[0], NAMES[0]).bias is not None
-        rows = [[getattr(p, n).out_features for n in NAMES] for p in parents]
-        widths = [getattr(p, NAMES[0]).in_features for p in parents]
-        need = sum(sum(r) * (w + with_bias) for r, w in zip(rows, widths))
-        if first.is_cuda and torch.cuda.mem_get_info(first.device)[0] < 2 * need * first.element_size():
+        if len({(getattr(p, NAMES[0]).weight.dtype, getattr(p, NAMES[0]).weight.device) for p in parents}) != 1:
+            return 0  # one buffer holds one dtype on one device
+        layout = [([getattr(p, n).out_features for n in NAMES], getattr(p, NAMES[0]).in_features,
+                   getattr(p, NAMES[0]).bias is not None) for p in parents]
+        need = sum(sum(rows) * (width + bias) for rows, width, bias in layout)
+        if first.is_cuda and _free_bytes(first.device) < 2 * need * first.element_size():
             return 0  # rank-local and safe: a decode step runs no collective, only its GEMMs differ
         self.buffer = torch.empty(need, dtype=first.dtype, device=first.device)
+        self.parents = parents  # set first: free() clears whatever a failed copy left in the slots
         at = 0
-        with torch.no_grad():
-            for p, r, w in zip(parents, rows, widths):
-                slot = _SLOTS.get(p)
-                if slot is None:
-                    slot = _SLOTS[p] = _Slot(NAMES)
-                n = sum(r)
-                slot.weight = self.buffer[at:at + n * w].view(n, w)
-                torch.cat([getattr(p, name).weight for name in NAMES], out=slot.weight)
-                at += n * w
-                if with_bias:
-                    slot.bias = self.buffer[at:at + n]
-                    torch.cat([getattr(p, name).bias for name in NAMES], out=slot.bias)
-                    at += n
-                slot.sizes = r
-        self.parents = parents
+        try:
+            with torch.no_grad():
+                for p, (rows, width, bias) in zip(parents, layout):
+                    slot = _SLOTS.get(p)
+                    if slot is None:
+                        slot = _SLOTS[p] = _Slot(NAMES)
+                    n = sum(rows)
+                    slot.weight = self.buffer[at:at + n * width].view(n, width)
+                    torch.cat([getattr(p, name).weight for name in NAMES], out=slot.weight)
+                    at += n * width
+                    slot.bias = None
+                    if bias:
+                        slot.bias = self.buffer[at:at + n]
+                        torch.cat([getattr(p, name).bias for name in NAMES], out=slot.bias)
+                        at += n
+                    slot.sizes = rows
+        except RuntimeError:
+            self.free()
+            return 0
         return len(parents)
 
     @contextlib.contextmanager

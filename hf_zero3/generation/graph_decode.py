@@ -20,14 +20,16 @@ this loop and ranks that take transformers' issue the same agreements at the sam
 Across calls: the loop (its static buffers and CUDA graphs) is kept per model and shape (batch,
 cache length, sampling, processors and their values, EOS ids; at most ``KEEP`` per model) and a
 later call replays its graphs only while everything a replayed graph reads is what it was captured
-with: the parameters' and buffers' storage, every tensor of the static cache, and the model's
-plain state (``training`` flags, PEFT adapter switches, hook counts, config fields: what the
+with: the parameters' and buffers' storage, every tensor of the static cache, the call's fused
+q/k/v weight copy (:mod:`.fused_projections`), and the model's plain state (``training`` flags, PEFT adapter switches, hook counts, config fields: what the
 compiled forward's guards would check). Gathered parameters land at the same addresses from one
 region to the next when the allocation sequence repeats (measured on one H200: back to back, after
 a layer-wise forward, after a training step); when anything moved, the call captures anew. Kept
 graphs hold their memory pool (one decode step's temporaries) until
 :func:`release` (``hf_zero3.release_decode_graphs``). Grouped-query models decode with
-:mod:`.decode_attention` (the KV cache read once per step, not once per query head).
+:mod:`.decode_attention` (the KV cache read once per step, not once per query head), and the
+decode steps run DeepSpeed's forward prologue/epilogue hooks and gradient checkpointing's
+input-require-grads hook off (nothing for them to do in a gathered region under ``no_grad``).
 
 It runs only where it is exact; anything else decodes through transformers (compiled or eager),
 with the reason in ``hf_zero3_last_generate.loop_reason``: logits processors or stopping criteria
@@ -49,6 +51,7 @@ import weakref
 import torch
 
 from .._upstream import deepspeed as ds_up
+from .._upstream import torch as torch_up
 from .._upstream import transformers as hf_up
 from . import decode_attention, fused_projections
 
@@ -150,10 +153,17 @@ def _forward_kwargs(model) -> dict:
 
 def _compiled_call(cls):
     """``cls.__call__`` compiled into one graph (hooks included, as transformers compiles it),
-    once per class: an unbound function holds no model alive."""
+    once per class: an unbound function holds no model alive. Its graphs guard on the modules'
+    hooks (``_upstream.torch.hook_guards``): a call with other hooks compiles again."""
     fn = _COMPILED.get(cls)
     if fn is None:
-        fn = _COMPILED[cls] = torch.compile(cls.__call__, fullgraph=True)
+        compiled = torch.compile(cls.__call__, fullgraph=True)
+
+        def fn(model, **kwargs):
+            with torch_up.hook_guards():
+                return compiled(model, **kwargs)
+
+        _COMPILED[cls] = fn
     return fn
 
 
@@ -220,7 +230,6 @@ class _Loop:
         self.out[:, :budget].fill_(self.pad)
         self.alive.fill_(True)
         self.extra = _forward_kwargs(model)
-        self.fused_layers = self.fused.bind(model)  # this call's weights, copied into one buffer per call
         self.call = _compiled_call(type(model)) if self.compiled else type(model).__call__  # call(model, ...)
 
     def end(self) -> None:
@@ -396,11 +405,16 @@ def _forget(model, loop: _Loop) -> None:
 
 
 def release(model=None) -> None:
-    """Free the static buffers and CUDA graphs the loop keeps for ``model`` (every model: None)."""
+    """Free the static buffers and CUDA graphs the loop keeps for ``model`` (every model: None),
+    and forget why its forward did not compile or its steps were not captured: after the cause is
+    gone (a hook removed, say) the next call tries the compiled loop again."""
     if model is None:
         _LOOPS.clear()
+        _FAILED.clear()
+        _NO_GRAPHS.clear()
     else:
-        _LOOPS.pop(model, None)
+        for kept in (_LOOPS, _FAILED, _NO_GRAPHS):
+            kept.pop(model, None)
 
 
 class _Runner:
@@ -481,6 +495,9 @@ def decode(model, call, input_ids, logits_processor, stopping_criteria, generati
         loop.start(model, input_ids, logits_processor, generation_config, stopping_criteria, model_kwargs, budget)
         runner = _Runner(loop, graph_steps)
         loop.prefill()
+        # this call's q/k/v weights copied into one buffer, after the prefill (its peak does not
+        # hold the copy) and before the check of what the graphs were captured with
+        loop.fused_layers = loop.fused.bind(model)
         loop.bind_cache()
         every, fixed = call.cfg.sync_every, call.cfg.stop == "fixed"
         tokens = 1  # the prefill chose token 1; before forward k + 1 the loop asks to go on (k = tokens)

@@ -35,6 +35,12 @@ def test_fused_projections_equal_the_models_own_eager_and_compiled(kind):
         assert fused.bind(model) == len(names) and fused.ptr != 0
         with fused.use():
             eager = model(input_ids=ids).logits
+        kept = fused.buffer.clone()
+        fused.buffer.zero_()  # the fused path reads the copy, not the modules' own weights
+        with fused.use():
+            zeroed = model(input_ids=ids).logits
+        fused.buffer.copy_(kept)
+        assert not torch.allclose(zeroed, ref, atol=1e-3)
         torch._dynamo.reset()
         step = torch.compile(type(model).__call__, fullgraph=True)
         with fused.use():
@@ -117,3 +123,24 @@ def test_forwards_are_restored_after_a_step_that_raised():
             raise RuntimeError("boom")
     assert all("forward" not in vars(getattr(attn, n)) for n in fp.NAMES)
     fused.free()
+
+
+def test_layers_with_and_without_biases_and_the_switch_read_each_call(monkeypatch):
+    from hf_zero3.generation import fused_projections as fp
+
+    model = _model()
+    attn = model.model.layers[1].self_attn
+    torch.manual_seed(1)
+    for name in fp.NAMES:  # one layer with q/k/v biases, the other without
+        old = getattr(attn, name)
+        setattr(attn, name, nn.Linear(old.in_features, old.out_features, bias=True))
+    ids = _ids(model)
+    fused = fp.Fused(fp.plan(model))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        assert fused.bind(model) == 2
+        with fused.use():
+            got = model(input_ids=ids).logits
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv("HF_ZERO3_FUSE_QKV", "0")  # a kept loop's plan stays; the next call's bind reads it
+    assert fused.bind(model) == 0 and fused.ptr == 0
