@@ -7,7 +7,6 @@ Checked against DeepSpeed 0.19.8 (``CHECKED``); each accessor has a contract tes
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Iterator
 
 import torch
@@ -155,22 +154,11 @@ def engine_forward_hooks(module: nn.Module) -> list[tuple[dict, int]]:
     return found
 
 
-@contextlib.contextmanager
 def engine_forward_hooks_suspended(module: nn.Module):
     """Inside: the engine's forward prologue/epilogue hooks on ``module`` do not run."""
-    found = engine_forward_hooks(module)
-    tables = {id(t): (t, list(t.items())) for t, _ in found}  # each table's order, to put back as it was
-    for table, key in found:
-        del table[key]
-    try:
-        yield
-    finally:
-        for table, before in tables.values():
-            now = dict(table)
-            gone = {key for t, key in found if t is table}
-            table.clear()
-            table.update((k, now.get(k, fn)) for k, fn in before if k in now or k in gone)
-            table.update((k, fn) for k, fn in now.items() if k not in table)
+    from .torch import hooks_suspended
+
+    return hooks_suspended(engine_forward_hooks(module))
 
 
 # Attributes ZeRO-3 keeps on every module for its own bookkeeping: ``ds_*`` (ids, counters,

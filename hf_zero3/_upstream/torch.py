@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 CHECKED = "torch 2.11.0+cu130, 2.13.0+cpu"
@@ -79,4 +81,24 @@ def hook_guards():
     import torch._dynamo
 
     return torch._dynamo.config.patch(skip_nnmodule_hook_guards=False)
+
+
+@contextlib.contextmanager
+def hooks_suspended(entries):
+    """Inside: the hooks ``entries`` names (``(hook table, handle id)`` pairs of torch's per-module
+    tables) do not run; after, each table holds them again in its original order, with any hook
+    added meanwhile after them."""
+    entries = list(entries)
+    tables = {id(t): (t, list(t.items())) for t, _ in entries}
+    for table, key in entries:
+        del table[key]
+    try:
+        yield
+    finally:
+        for table, before in tables.values():
+            now = dict(table)
+            gone = {key for t, key in entries if t is table}
+            table.clear()
+            table.update((k, now.get(k, fn)) for k, fn in before if k in now or k in gone)
+            table.update((k, fn) for k, fn in now.items() if k not in table)
 

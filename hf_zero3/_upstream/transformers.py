@@ -7,7 +7,6 @@ transformers 5.x goes through; the Trainer callback finds its ``Trainer`` from t
 
 from __future__ import annotations
 
-import contextlib
 import sys
 
 CHECKED = "transformers 5.23.0"
@@ -154,22 +153,19 @@ def input_grad_hooks(model) -> list:
 # Tensor.requires_grad_() call``): a compiled decode step of a model with gradient checkpointing
 # on (TRL's default, transformers 5.17's reentrant checkpointing, PEFT) would run eagerly. Under
 # ``no_grad`` (generate()) the hook changes nothing: nothing downstream records a graph.
-@contextlib.contextmanager
 def input_grad_hooks_suspended(model):
     """Inside (with gradients off only): ``model``'s input-require-grads hooks do not run."""
     import torch
 
-    taken = []
+    from .torch import hooks_suspended
+
+    entries = []
     if not torch.is_grad_enabled():
         for handle in input_grad_hooks(model):
             hooks = handle.hooks_dict_ref()
             if hooks is not None and handle.id in hooks:
-                taken.append((hooks, handle.id, hooks.pop(handle.id)))
-    try:
-        yield
-    finally:
-        for hooks, key, fn in taken:
-            hooks[key] = fn
+                entries.append((hooks, handle.id))
+    return hooks_suspended(entries)
 
 
 def replace_input_grad_hooks_on_enable():

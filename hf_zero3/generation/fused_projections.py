@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..device_memory import read_cuda_memory
+
 __all__ = ["NAMES", "plan", "Fused"]
 
 NAMES = ("q_proj", "k_proj", "v_proj")
@@ -85,12 +87,6 @@ def _enabled() -> bool:
     return os.environ.get("HF_ZERO3_FUSE_QKV", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def _free_bytes(device) -> int:
-    """What an allocation can take: the driver's free memory and PyTorch's cached, unused blocks."""
-    free = torch.cuda.mem_get_info(device)[0]
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-
-
 def plan(model: nn.Module) -> tuple[str, ...]:
     """Names of ``model``'s attention modules whose projections can be fused (while gathered)."""
     if not _enabled():
@@ -130,7 +126,7 @@ class Fused:
         layout = [([getattr(p, n).out_features for n in NAMES], getattr(p, NAMES[0]).in_features,
                    getattr(p, NAMES[0]).bias is not None) for p in parents]
         need = sum(sum(rows) * (width + bias) for rows, width, bias in layout)
-        if first.is_cuda and _free_bytes(first.device) < 2 * need * first.element_size():
+        if first.is_cuda and read_cuda_memory(first.device).allocatable < 2 * need * first.element_size():
             return 0  # rank-local and safe: a decode step runs no collective, only its GEMMs differ
         self.buffer = torch.empty(need, dtype=first.dtype, device=first.device)
         self.parents = parents  # set first: free() clears whatever a failed copy left in the slots

@@ -21,8 +21,8 @@ Across calls: the loop (its static buffers and CUDA graphs) is kept per model an
 cache length, sampling, processors and their values, EOS ids; at most ``KEEP`` per model) and a
 later call replays its graphs only while everything a replayed graph reads is what it was captured
 with: the parameters' and buffers' storage, every tensor of the static cache, the call's fused
-q/k/v weight copy (:mod:`.fused_projections`), and the model's plain state (``training`` flags, PEFT adapter switches, hook counts, config fields: what the
-compiled forward's guards would check). Gathered parameters land at the same addresses from one
+q/k/v weight copy (:mod:`.fused_projections`), and the model's plain state (``training`` flags,
+PEFT adapter switches, hook counts, config fields: what the compiled forward's guards would check). Gathered parameters land at the same addresses from one
 region to the next when the allocation sequence repeats (measured on one H200: back to back, after
 a layer-wise forward, after a training step); when anything moved, the call captures anew. Kept
 graphs hold their memory pool (one decode step's temporaries) until

@@ -23,6 +23,7 @@ later in the call is shared at the next agreement (the next stop check or the ca
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -354,6 +355,7 @@ class Zero3GenerationMixin:
     def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                 streamer=None, **model_kwargs):  # hf_up.SAMPLE_HOOK
         call = _call_of(self)
+        prologue = contextlib.nullcontext()
         if (call is not None and call.phase == "decoding" and call.compile
                 and self._valid_auto_compile_criteria(model_kwargs, generation_config)):
             why = graph_decode.unsupported(self, logits_processor, stopping_criteria, generation_config, streamer,
@@ -365,11 +367,10 @@ class Zero3GenerationMixin:
             compiled_decode.say_once(f"transformers' compiled loop instead of hf_zero3's static loop: {why}")
             # its compiled forward would trace DeepSpeed's forward prologue too (see
             # _upstream.deepspeed.engine_forward_hooks); the whole model is gathered, so it has nothing to do
-            with ds_up.engine_forward_hooks_suspended(self):
-                return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
-                                       streamer, **model_kwargs)
-        return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
-                               streamer, **model_kwargs)
+            prologue = ds_up.engine_forward_hooks_suspended(self)
+        with prologue:
+            return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
+                                   streamer, **model_kwargs)
 
     def _has_unfinished_sequences(self, this_peer_finished, synced_gpus, device=None, **kwargs):
         call = _call_of(self)

@@ -335,6 +335,11 @@ def test_a_second_call_reuses_the_loop_only_with_the_same_parameters_and_state(b
         assert r["compiled"]["fused"] == r["held_2"]["fused"] == 2 and r["eager"]["fused"] == 0
 
 
+def _fields(case: dict) -> str:
+    """A case's stats in one line (an assertion message pytest does not shorten)."""
+    return " ".join(f"{k}={v}" for k, v in case.items() if k != "out")
+
+
 def test_checkpointings_input_grad_hook_does_not_stop_the_compiled_step(batch_results):
     for r in batch_results:
         g = r["input_grads"]
@@ -346,7 +351,7 @@ def test_the_compiled_step_survives_the_engines_training_steps(batch_results):
     for r in batch_results:
         t = r["trained"]
         assert t["engine_steps"] == 2
-        assert t["loop"] == "hf_zero3" and t["decode"] == "compiled", " ".join(f"{k}={v}" for k, v in t.items() if k != "out")
+        assert t["loop"] == "hf_zero3" and t["decode"] == "compiled", _fields(t)
         assert t["out"] == r["trained_eager"]["out"] and t["forwards"] == r["trained_eager"]["forwards"]
         rep = r["trained_rep"]
         assert rep["loop"] == "transformers" and rep["decode"] == "compiled", rep
@@ -356,7 +361,7 @@ def test_the_compiled_step_survives_the_engines_training_steps(batch_results):
 def test_a_forward_that_stops_compiling_mid_call_finishes_eagerly(batch_results):
     for r in batch_results:
         h = r["hooked"]
-        assert h["loop"] == "hf_zero3" and h["decode"] == "eager" and "does not compile" in h["reason"], " ".join(f"{k}={v}" for k, v in h.items() if k != "out")
+        assert h["loop"] == "hf_zero3" and h["decode"] == "eager" and "does not compile" in h["reason"], _fields(h)
         assert h["out"] == r["eager"]["out"]
         assert h["calls"] == h["forwards"]  # the hook ran in every forward, compiled or eager
         assert r["hooked_after"]["loop"] == "transformers" and "does not compile" in r["hooked_after"]["loop_reason"]
