@@ -7,6 +7,7 @@ Checked against DeepSpeed 0.19.8 (``CHECKED``); each accessor has a contract tes
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Iterator
 
 import torch
@@ -159,6 +160,50 @@ def engine_forward_hooks_suspended(module: nn.Module):
     from .torch import hooks_suspended
 
     return hooks_suspended(engine_forward_hooks(module))
+
+
+# ``deepspeed.zero.Init`` (with its default ``mem_efficient_linear=True``) replaces
+# ``torch.nn.functional.linear`` for the whole process with ``zero3_linear_wrap``, an autograd
+# Function (it re-gathers the weight in backward instead of saving it gathered), and leaves it so
+# ("This will persist unless manually reset"). Every ``nn.Linear`` call then pays
+# ``Function.apply`` and an ``inspect.signature`` binding, also under ``no_grad``: on one H200 the
+# eager prompt forward of a 1B Llama (113 linears, batch 64) spent ~30 % of its host time there,
+# and that forward is host-bound (20 ms of GPU time in 42 ms). Under ``no_grad`` the Function has
+# no backward to prepare: its own forward (``LinearFunctionForZeroStage3.forward``, the same
+# kernels) can be called directly.
+
+
+def _zero3_linear_function():
+    try:
+        from deepspeed.runtime.zero import linear
+    except ImportError:
+        return None, None
+    return getattr(linear, "zero3_linear_wrap", None), getattr(linear, "LinearFunctionForZeroStage3", None)
+
+
+@contextlib.contextmanager
+def zero3_linear_without_autograd():
+    """Inside, in a ``no_grad`` region: ``F.linear``, where DeepSpeed replaced it, runs DeepSpeed's
+    linear forward without its autograd Function (the same result bit for bit; with grad enabled
+    the Function as before). Nothing changes where ``F.linear`` is not DeepSpeed's."""
+    import torch.nn.functional as F
+
+    wrap, function = _zero3_linear_function()
+    if wrap is None or function is None or F.linear is not wrap:
+        yield
+        return
+
+    def linear(input, weight, bias=None):
+        if torch.is_grad_enabled():
+            return wrap(input, weight, bias)
+        return function.forward(input, weight, bias)
+
+    F.linear = linear
+    try:
+        yield
+    finally:
+        if F.linear is linear:
+            F.linear = wrap
 
 
 # Attributes ZeRO-3 keeps on every module for its own bookkeeping: ``ds_*`` (ids, counters,

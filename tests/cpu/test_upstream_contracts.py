@@ -114,6 +114,34 @@ def test_hybrid_engine_rollout_attributes(engine_contracts):
     assert engine_contracts["rollout"] == (True, True)
 
 
+def test_zero3_linear_runs_its_forward_without_the_autograd_function_under_no_grad(monkeypatch):
+    """DeepSpeed's own process-wide replacement of F.linear (what zero.Init leaves behind): inside
+    the context, under no_grad, the same results bit for bit without the Function; with grad
+    enabled, the Function; afterwards, DeepSpeed's wrapper again."""
+    import torch.nn.functional as F
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+
+    monkeypatch.setattr(F, "linear", zero3_linear_wrap)
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(5, 4, generator=g), torch.randn(5, generator=g)
+    inputs = [(torch.randn(3, 4, generator=g), b), (torch.randn(2, 3, 4, generator=g), b),
+              (torch.randn(2, 3, 4, generator=g), None)]
+    with torch.no_grad():
+        before = [zero3_linear_wrap(x, w, bias) for x, bias in inputs]
+        with ds_up.zero3_linear_without_autograd():
+            assert F.linear is not zero3_linear_wrap
+            after = [torch.nn.functional.linear(x, w, bias) for x, bias in inputs]
+    for x, y in zip(before, after):
+        assert torch.equal(x, y)
+    with ds_up.zero3_linear_without_autograd():
+        out = F.linear(inputs[0][0], w.requires_grad_(), b)
+        assert "LinearFunctionForZeroStage3" in type(out.grad_fn).__name__
+    assert F.linear is zero3_linear_wrap
+    monkeypatch.undo()
+    with ds_up.zero3_linear_without_autograd():  # not DeepSpeed's: left alone
+        assert F.linear is torch.nn.functional.linear and "zero3" not in F.linear.__name__
+
+
 def test_deepcompile_pass_table_and_param_manager():
     from deepspeed.compile import backend
     from deepspeed.compile.graph_param import DSGraphParamManager
