@@ -11,7 +11,12 @@ SDPA models, whose SDPA kernels keep scores in float32: in bf16 the two differ w
 tolerance (the GPU test's teacher-forced logits), in float32 they agree (CPU tests).
 hf_zero3's static loop uses it for its decode steps only (one query token), on models that take
 their attention from transformers' attention interface; the prompt's forward and every other
-shape keep the model's own attention (SDPA for any other shape).
+shape keep the model's own attention (SDPA for any other shape). On CUDA with Triton the same
+attention runs as one kernel per layer (:mod:`hf_zero3.kernels.gqa_decode`: ``KERNEL``, float32
+scores as flash attention keeps them, the unfilled tail of the cache not read); elsewhere, or with
+``HF_ZERO3_TRITON_ATTENTION=0``, or where the kernel has fewer programs than the GPU has SMs
+(batch x key/value heads: it is slower there), as the PyTorch form above (``NAME``).
+:func:`choice` picks one when a decode loop is built.
 """
 
 from __future__ import annotations
@@ -21,10 +26,12 @@ import contextlib
 import torch
 
 from .._upstream import transformers as hf_up
+from ..kernels import gqa_decode
 
-__all__ = ["NAME", "attention", "applies", "use"]
+__all__ = ["NAME", "KERNEL", "attention", "kernel_attention", "applies", "choice", "use"]
 
 NAME = "hf_zero3_gqa_decode"
+KERNEL = gqa_decode.NAME
 _REPLACES = ("sdpa", "eager")  # implementations whose decode step this computes the same way
 _REGISTERED = False
 
@@ -52,6 +59,17 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     return torch.matmul(probs, value).reshape(b, 1, h, value.shape[-1]), None
 
 
+def kernel_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                     **kwargs):
+    """:func:`attention` as one Triton kernel where :func:`gqa_decode.supports` the shapes (the
+    PyTorch form otherwise)."""
+    if (dropout or kwargs.get("softcap") is not None or key.shape[1] == query.shape[1]
+            or not gqa_decode.supports(query, key, value, attention_mask)):
+        return attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return gqa_decode.gqa_decode_attention(query, key, value, attention_mask, scale), None
+
+
 def applies(model) -> bool:
     """A GQA model that looks its attention up by name, with SDPA or eager attention, one config,
     and plain softmax attention: no logit soft-capping (Gemma 2/3) and no attention sinks
@@ -66,19 +84,33 @@ def applies(model) -> bool:
             and isinstance(kv, int) and kv < heads)
 
 
+def choice(model, device, rows: int) -> str | None:
+    """The decode attention a loop of ``rows`` on ``device`` uses: ``KERNEL`` (CUDA, Triton, where
+    it is the faster form: :func:`gqa_decode.pays`), ``NAME``, or None (the model's own:
+    :func:`applies` is False)."""
+    if not applies(model):
+        return None
+    if (torch.device(device).type == "cuda" and gqa_decode.is_available() and gqa_decode.load() is not None
+            and gqa_decode.pays(rows, model.config.num_key_value_heads)):
+        return KERNEL  # built here, outside the compiled step's trace
+    return NAME
+
+
 @contextlib.contextmanager
-def use(model, on: bool = True):
-    """Inside: ``model`` attends with :func:`attention` (when ``on`` and :func:`applies`)."""
+def use(model, name: str | None = NAME):
+    """Inside: ``model`` attends with ``name`` (:func:`attention` or :func:`kernel_attention`;
+    None: its own attention)."""
     global _REGISTERED
-    if not on:
+    if name is None:
         yield
         return
     if not _REGISTERED:
         hf_up.register_attention(NAME, attention)
+        hf_up.register_attention(KERNEL, kernel_attention)
         _REGISTERED = True
     cfg = model.config
     before = cfg._attn_implementation
-    cfg._attn_implementation = NAME
+    cfg._attn_implementation = name
     try:
         yield
     finally:

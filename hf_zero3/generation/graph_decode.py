@@ -22,14 +22,18 @@ cache length, sampling, processors and their values, EOS ids; at most ``KEEP`` p
 later call replays its graphs only while everything a replayed graph reads is what it was captured
 with: the parameters' and buffers' storage, every tensor of the static cache, the call's fused
 q/k/v weight copy (:mod:`.fused_projections`), and the model's plain state (``training`` flags,
-PEFT adapter switches, hook counts, config fields: what the compiled forward's guards would check). Gathered parameters land at the same addresses from one
-region to the next when the allocation sequence repeats (measured on one H200: back to back, after
-a layer-wise forward, after a training step); when anything moved, the call captures anew. Kept
-graphs hold their memory pool (one decode step's temporaries) until
-:func:`release` (``hf_zero3.release_decode_graphs``). Grouped-query models decode with
-:mod:`.decode_attention` (the KV cache read once per step, not once per query head), and the
-decode steps run DeepSpeed's forward prologue/epilogue hooks and gradient checkpointing's
-input-require-grads hook off (nothing for them to do in a gathered region under ``no_grad``).
+PEFT adapter switches, hook counts, config fields: what the compiled forward's guards would
+check). Gathered parameters land at the same addresses from one region to the next when the
+allocation sequence repeats (measured on one H200: back to back, after a layer-wise forward, after
+a training step); when anything moved, the call captures anew. Kept graphs hold their memory pool
+(one decode step's temporaries) until :func:`release` (``hf_zero3.release_decode_graphs``).
+Grouped-query models decode with :mod:`.decode_attention` (the KV cache read once per step, not
+once per query head; on CUDA one Triton kernel per layer where it pays), Llama-style SiLU MLPs
+with :mod:`.decode_mlp` (the gate/up pair as one Triton kernel, CUDA), and the decode steps run
+DeepSpeed's forward prologue/epilogue hooks and gradient checkpointing's input-require-grads hook
+off (nothing for them to do in a gathered region under ``no_grad``). The prompt's forward runs
+without DeepSpeed's per-linear autograd Function (``_upstream.deepspeed``), and greedy steps
+without processors take the argmax of the model's logits without a float32 copy (the same token).
 
 It runs only where it is exact; anything else decodes through transformers (compiled or eager),
 with the reason in ``hf_zero3_last_generate.loop_reason``: logits processors or stopping criteria
@@ -53,7 +57,7 @@ import torch
 from .._upstream import deepspeed as ds_up
 from .._upstream import torch as torch_up
 from .._upstream import transformers as hf_up
-from . import decode_attention, fused_projections
+from . import decode_attention, decode_mlp, fused_projections
 
 __all__ = ["GRAPH_SAFE_PROCESSORS", "GRAPH_SAFE_CRITERIA", "unsupported", "decode", "failure", "release"]
 
@@ -179,8 +183,8 @@ class _Loop:
     decode steps, kept across calls (see :func:`_loop_for`); per call, :meth:`start` fills them in
     place and :meth:`end` drops the call's objects (the model among them: a kept loop holds none)."""
 
-    def __init__(self, batch: int, length: int, device, eos: torch.Tensor | None, sample: bool, gqa: bool,
-                 fused: tuple[str, ...] = ()):
+    def __init__(self, batch: int, length: int, device, eos: torch.Tensor | None, sample: bool,
+                 attention: str | None, fused: tuple[str, ...] = (), mlp: tuple[str, ...] = ()):
         self.mask = torch.ones(batch, length, dtype=torch.long, device=device)
         self.pos = torch.zeros(batch, dtype=torch.long, device=device)
         self.tok = torch.zeros(batch, dtype=torch.long, device=device)
@@ -192,9 +196,11 @@ class _Loop:
         self.out = torch.zeros(batch, length, dtype=torch.long, device=device)  # a call's tokens, at most length
         self.alive = torch.ones(length, dtype=torch.bool, device=device)
         self.sample = sample
-        self.gqa = gqa  # decode steps attend with decode_attention (part of the model's state the key holds)
+        self.attention = attention  # the decode_attention the steps attend with (None: the model's own)
         self.fused = fused_projections.Fused(fused)  # attention modules whose q/k/v run as one GEMM
         self.fused_layers = 0
+        self.mlp = mlp  # MLP modules the decode steps run through decode_mlp's kernels
+        self.mlp_layers = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # steps per graph -> graph
         self.cache_ptrs = None  # the cache tensors the graphs were captured with
         self.cache_small = None  # per layer, its small tensors (length counters) the graphs read
@@ -264,9 +270,12 @@ class _Loop:
                                 for layer in self.cache.layers]
 
     def prefill(self) -> None:
-        """The prompt's forward (eager, as transformers does it) and the first token."""
-        out = self.model(input_ids=self.prompt, attention_mask=self.prompt_mask, position_ids=self.prompt_positions,
-                         past_key_values=self.cache, use_cache=True, **self.extra)
+        """The prompt's forward (eager, as transformers does it, without DeepSpeed's per-linear
+        autograd Function under ``no_grad``) and the first token."""
+        with ds_up.zero3_linear_without_autograd():
+            out = self.model(input_ids=self.prompt, attention_mask=self.prompt_mask,
+                             position_ids=self.prompt_positions, past_key_values=self.cache, use_cache=True,
+                             **self.extra)
         self._choose(out.logits[:, -1])
 
     def step(self) -> None:
@@ -274,7 +283,8 @@ class _Loop:
         self.pos.add_(1)
         kwargs = dict(input_ids=self.tok.view(-1, 1), attention_mask=self.mask, position_ids=self.pos.view(-1, 1),
                       past_key_values=self.cache, use_cache=True, **self.extra)
-        with (decode_attention.use(self.model, self.gqa), self.fused.use(),
+        with (decode_attention.use(self.model, self.attention), self.fused.use(),
+              decode_mlp.use(self.model, self.mlp) as self.mlp_layers,
               hf_up.input_grad_hooks_suspended(self.model), ds_up.engine_forward_hooks_suspended(self.model)):
             try:
                 out = self.call(self.model, **kwargs)
@@ -291,13 +301,18 @@ class _Loop:
         self._choose(out.logits[:, -1])
 
     def _choose(self, logits: torch.Tensor) -> None:
-        scores = logits.to(torch.float32)
-        for proc in self.processors or ():
-            scores = proc(self.prompt, scores)  # tensor-only processors ignore the ids
-        if self.sample:
-            nxt = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        if not self.sample and not self.processors:
+            # greedy: the argmax of the model's logits is that of their float32 copy (the same
+            # values, ties to the first index); no copy of batch x vocab floats each step
+            nxt = torch.argmax(logits, dim=-1)
         else:
-            nxt = torch.argmax(scores, dim=-1)
+            scores = logits.to(torch.float32)
+            for proc in self.processors or ():
+                scores = proc(self.prompt, scores)  # tensor-only processors ignore the ids
+            if self.sample:
+                nxt = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+            else:
+                nxt = torch.argmax(scores, dim=-1)
         if self.eos is not None:
             nxt = torch.where(self.unfinished, nxt, self.pad)
         self.out.index_copy_(1, self.idx, nxt.view(-1, 1))
@@ -370,7 +385,8 @@ def _loop_key(model, input_ids, processors, generation_config, eos, cache) -> tu
         procs.append((type(p).__name__, tuple(sorted(vars(p).items()))))
     dev = input_ids.device
     shape = (type(model), input_ids.shape[0], _cache_length(cache), str(dev), bool(generation_config.do_sample),
-             tuple(procs), None if eos is None else tuple(eos.tolist()))
+             tuple(procs), None if eos is None else tuple(eos.tolist()),
+             decode_attention.choice(model, dev, input_ids.shape[0]), decode_mlp.enabled())
     where = (tuple(t.data_ptr() for t in model.parameters()), tuple(t.data_ptr() for t in model.buffers()),
              tuple(t.dtype for t in model.parameters()), torch.is_autocast_enabled(dev.type),
              torch.get_autocast_dtype(dev.type), _module_state(model))
@@ -389,7 +405,8 @@ def _loop_for(model, input_ids, processors, generation_config, stopping_criteria
             kept.move_to_end(key[0])
             return entry[1], True
     loop = _Loop(input_ids.shape[0], _cache_length(cache), input_ids.device, eos, bool(generation_config.do_sample),
-                 decode_attention.applies(model), fused_projections.plan(model))
+                 decode_attention.choice(model, input_ids.device, input_ids.shape[0]),
+                 fused_projections.plan(model), decode_mlp.plan(model, input_ids.device))
     if key is not None:
         kept[key[0]] = (key[1], loop)
         kept.move_to_end(key[0])
@@ -517,5 +534,6 @@ def decode(model, call, input_ids, logits_processor, stopping_criteria, generati
         _forget(model, loop)  # later calls take transformers' loop (failure() says why)
     call.finish_loop(tokens, done_at, compiled=loop.compiled, graph_steps=runner.graph_steps,
                      capture_s=runner.capture_s, loop_reused=kept, graphs_reused=runner.reused,
-                     attention=decode_attention.NAME if loop.gqa else None, fused_projections=loop.fused_layers)
+                     attention=loop.attention, fused_projections=loop.fused_layers,
+                     mlp_kernels=loop.mlp_layers)
     return out

@@ -9,9 +9,15 @@ from _deepcompile_workers import build
 
 
 def compiled_decode(new_tokens: int = 48):
+    import os
+
     import torch.distributed as dist
 
     import hf_zero3
+
+    # the Triton decode attention also at this test's batch (4 rows x 8 key/value heads: fewer
+    # programs than SMs, where "auto" keeps the PyTorch form), so the test runs it end to end
+    os.environ["HF_ZERO3_TRITON_ATTENTION"] = "always"
 
     rank = dist.get_rank()
     engine = build(deepcompile=False, compile_=False, torch_adam=True)
@@ -43,7 +49,8 @@ def compiled_decode(new_tokens: int = 48):
                                          sync_every=4, graph_steps=8, **kw)
         st = module.hf_zero3_last_generate
         out["graphs"] = dict(loop=st.loop, reason=st.loop_reason, graph_steps=st.graph_steps, decode=st.decode,
-                             forwards=st.forwards, compiles=st.compiles)
+                             forwards=st.forwards, compiles=st.compiles, attention=st.attention,
+                             mlp_kernels=st.mlp_kernels)
         # the same call again, back to back: it replays the graphs the last one captured (the
         # parameters and the new call's cache tensors land where the last ones were), the same tokens
         again = hf_zero3.lockstep_generate(engine, input_ids=ids, gather="all", decode="compiled", do_sample=False,

@@ -25,6 +25,8 @@ def test_compiled_decode_matches_eager_logits_and_does_not_recompile():
         # hf_zero3's static loop, replaying CUDA graphs between stop agreements
         g = r["graphs"]
         assert g["loop"] == "hf_zero3" and g["graph_steps"] == 8 and g["decode"] == "compiled", g
+        assert g["attention"] == "hf_zero3_gqa_decode_triton", g  # the Triton decode attention, captured
+        print("graphs:", g)  # for the record (mlp_kernels: MLPs through hf_zero3's Triton GEMMs)
         gtf = r["graphs_teacher_forced"]
         assert gtf["tokens"] > 0 and gtf["max_margin"] <= 0.05 * max(1.0, gtf["max_abs_logit"]), gtf
         assert r["second"]["loop"] == "hf_zero3"

@@ -42,7 +42,7 @@ def test_trl_grpo_under_deepcompile_trains_generates_and_evaluates(tmp_path):
 def test_trl_grpo_rollouts_run_the_static_loop_with_cuda_graphs(tmp_path):
     from _runtime_workers import grpo_compiled_decode
 
-    from hf_zero3.generation.decode_attention import NAME
+    from hf_zero3.generation.decode_attention import KERNEL, NAME
 
     res = _run(grpo_compiled_decode, str(tmp_path), timeout=380)
     print("rollouts:", [[(g["loop_reused"], g["reused"], g["forwards"], g["reason"]) for g in r["rollouts"]] for r in res])  # for the record
@@ -50,5 +50,5 @@ def test_trl_grpo_rollouts_run_the_static_loop_with_cuda_graphs(tmp_path):
         assert len(r["losses"]) == 3 and all(math.isfinite(x) for x in r["losses"]), r
         for g in r["rollouts"]:
             assert g["loop"] == "hf_zero3" and g["decode"] == "compiled", g
-            assert g["graph_steps"] > 0 and g["attention"] == NAME, g
+            assert g["graph_steps"] > 0 and g["attention"] in (NAME, KERNEL), g  # grouped heads (Triton at >= 1 program per SM)
     assert len({tuple(g["forwards"] for g in r["rollouts"]) for r in res}) == 1  # lockstep across ranks

@@ -1,0 +1,74 @@
+"""The decode step's MLP through hf_zero3's Triton GEMMs (hf_zero3.generation.decode_mlp,
+hf_zero3.kernels.decode_gemm), run by Triton's interpreter on CPU in float32 (its bf16 ``tl.dot``
+is not exact; bf16 runs in the GPU benchmark): the kernels against F.linear, the patched forward
+against a real Llama MLP, and which modules it takes."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+triton = pytest.importorskip("triton", reason="the kernel tests need Triton (installed with the test extra)")
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="a GPU host: the GPU benchmark runs the kernels compiled (conftest sets the "
+                                       "interpreter on CPU-only hosts)")
+
+
+@pytest.mark.parametrize("rows,n,k", [(3, 40, 70), (8, 64, 256), (17, 33, 130), (64, 48, 96)])
+def test_kernels_equal_f_linear(rows, n, k):
+    from hf_zero3.kernels import decode_gemm
+
+    g = torch.Generator().manual_seed(rows)
+    x, w, u = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, k, generator=g)
+    linear, gate_up_silu = decode_gemm.load()
+    torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(gate_up_silu(x, w, u), F.silu(F.linear(x, w)) * F.linear(x, u), rtol=1e-4, atol=1e-3)
+    for cfg in decode_gemm.CONFIGS[:3]:  # the probe's entry, one launch configuration each
+        torch.testing.assert_close(decode_gemm.linear(x, w, cfg), F.linear(x, w), rtol=1e-4, atol=1e-4)
+
+
+def test_a_llama_mlp_through_the_kernels_equals_its_own_forward():
+    from hf_zero3.generation import decode_mlp
+    from hf_zero3.testing import models
+
+    model = models.plain_model(models.tiny_llama_config())
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(5, 1, model.config.hidden_size)
+    with torch.no_grad():
+        own = mlp(x)
+        ours = decode_mlp._forward(mlp)(x)
+        big = torch.randn(2, 40, model.config.hidden_size)  # a prompt's rows: the model's own computation
+        torch.testing.assert_close(decode_mlp._forward(mlp)(big), mlp(big))
+    torch.testing.assert_close(ours, own, rtol=1e-4, atol=1e-5)
+
+
+def test_which_mlps_it_takes_and_use_restores_them(monkeypatch):
+    from hf_zero3.generation import decode_mlp
+    from hf_zero3.testing import models
+
+    model = models.plain_model(models.tiny_llama_config()).to(torch.bfloat16)
+    names = tuple(n for n, m in model.named_modules() if decode_mlp.applies(m))
+    assert names == ("model.layers.0.mlp", "model.layers.1.mlp")
+    assert decode_mlp.plan(model, "cpu") == ()  # CUDA only
+    assert not decode_mlp.applies(model.float().model.layers[0].mlp)  # float32: the model's own
+    model.to(torch.bfloat16)
+    mlp = model.model.layers[0].mlp
+    handle = mlp.gate_proj.register_forward_hook(lambda *a: None)
+    assert not decode_mlp.applies(mlp)  # a hooked projection (LoRA, accelerate, a user's) keeps its own
+    handle.remove()
+    mlp.act_fn = torch.nn.GELU()
+    assert not decode_mlp.applies(mlp)
+    mlp.act_fn = torch.nn.SiLU()
+    assert decode_mlp.applies(mlp)
+    other = type("MyMLP", (type(mlp),), {})  # a class of the user's: its forward may differ
+    mlp.__class__ = other
+    assert not decode_mlp.applies(mlp)
+    mlp.__class__ = other.__mro__[1]
+    monkeypatch.setenv("HF_ZERO3_TRITON_MLP", "0")
+    assert not decode_mlp.enabled()
+    with pytest.raises(RuntimeError, match="inside"):
+        with decode_mlp.use(model, names) as n:
+            assert n == 2 and "forward" in vars(mlp)
+            raise RuntimeError("inside")
+    assert "forward" not in vars(mlp)
