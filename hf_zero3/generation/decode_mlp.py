@@ -74,8 +74,9 @@ def _forward(mlp: nn.Module):
 
     def forward(x):
         rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] > decode_gemm.MAX_ROWS or not rows.is_contiguous():
-            return down(act(gate(x)) * up(x))  # the model's own computation
+        if (rows.shape[0] > decode_gemm.MAX_ROWS or not rows.is_contiguous() or x.dtype != gate.weight.dtype
+                or torch.is_autocast_enabled(x.device.type)):
+            return down(act(gate(x)) * up(x))  # the model's own computation (and autocast's casts)
         # down stays the model's (cuBLAS): a 2048-column output gives the narrow-slice kernel too
         # few programs (1xH200: 19.8 vs 14.4 us at 64 rows, decode_gemm_probe.py)
         return down(gate_up_silu(rows, gate.weight, up.weight)).view(*x.shape[:-1], down.out_features)

@@ -61,7 +61,10 @@ def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attent
     if q != 1 or h % kv or d > 256 or value.shape[-1] > 256 or key.shape[0] != b:
         return False
     if attention_mask is not None and (attention_mask.dim() != 4 or attention_mask.shape[1] != 1
-                                       or attention_mask.shape[2] != 1):
+                                       or attention_mask.shape[2] != 1 or attention_mask.shape[-1] < key.shape[-2]
+                                       or attention_mask.shape[0] not in (1, b)):
+        return False
+    if key.dtype != query.dtype or value.dtype != query.dtype:
         return False
     if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return False

@@ -72,3 +72,18 @@ def test_which_mlps_it_takes_and_use_restores_them(monkeypatch):
             assert n == 2 and "forward" in vars(mlp)
             raise RuntimeError("inside")
     assert "forward" not in vars(mlp)
+
+
+def test_autocast_keeps_the_models_computation():
+    """Under autocast (which casts per op) the model's own MLP runs: the kernel would not cast."""
+    from hf_zero3.generation import decode_mlp
+    from hf_zero3.testing import models
+
+    model = models.plain_model(models.tiny_llama_config())
+    mlp = model.model.layers[0].mlp
+    fn = decode_mlp._forward(mlp)
+    y = torch.randn(3, 1, model.config.hidden_size)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ours, own = fn(y), mlp(y)
+    assert ours.dtype == own.dtype == torch.bfloat16  # autocast's computation, not the float32 kernel's
+    torch.testing.assert_close(ours, own, rtol=0, atol=0)

@@ -121,3 +121,12 @@ def test_the_kernel_is_chosen_where_it_has_a_program_per_sm(monkeypatch):
     assert decode_attention.choice(model, "cpu", 64) == decode_attention.NAME  # the kernel is for CUDA
     mha = models.plain_model(models.tiny_llama_config(num_key_value_heads=4))
     assert decode_attention.choice(mha, "cpu", 64) is None  # not grouped: the model's own attention
+
+
+def test_masks_and_dtypes_it_does_not_take():
+    from hf_zero3.kernels import gqa_decode
+
+    q, k, v, keep = _case(1, 2, 8, 2, 16, 10)
+    assert not gqa_decode.supports(q, k, v, keep[..., :9])  # shorter than the cache
+    assert not gqa_decode.supports(q, k, v, keep.expand(2, 1, 1, 10).repeat(2, 1, 1, 1))  # another batch
+    assert not gqa_decode.supports(q, k.double(), v, keep)  # key/value in another dtype than the query
