@@ -3,8 +3,11 @@ gathered (TRL's ``unwrap_model_for_generation`` + ``generate``: all parameters g
 hooks off, here through ``hf_zero3.eval_forward(gather="all")``), transformers' static cache as is,
 and lockstep's compiled decode (``decode="compiled"``: hf_zero3's static loop without CUDA graphs,
 with graphs of 8 steps and of 1 step, a stop agreement every 8 steps; and with graphs of 8 steps
-without the fused q/k/v projections, ``HF_ZERO3_FUSE_QKV=0``), same run, batch 8 and 64, 128 new
-tokens.
+without the fused q/k/v projections, ``HF_ZERO3_FUSE_QKV=0``, with the PyTorch decode attention
+instead of the Triton kernel, ``HF_ZERO3_TRITON_ATTENTION=0``, or with cuBLAS for the MLP instead
+of hf_zero3's Triton GEMMs, ``HF_ZERO3_TRITON_MLP=0``), same run, batch 8 and 64, 128 new
+tokens. ``BENCH_CONFIGS`` (comma-separated names) runs a subset; the ratio columns need
+``hf_eager_gathered`` and ``hf_static_gathered``.
 
 Rows end at rank-dependent lengths: ``useful_tokens`` counts each row up to its own target length
 (drawn per rank, row 0 of rank 0 runs all 128), and every configuration runs the 128 decode
@@ -38,9 +41,11 @@ BATCHES = [int(b) for b in os.environ.get("BENCH_BATCHES", "8,64").split(",")]
 PROMPT = 64
 PARTIAL = os.path.join(os.environ.get("OUT", HERE), "decode_partial.jsonl")
 # the slow per-layer baseline last, so that a run cut short still has the main comparison
-CONFIGS = ("hf_eager_gathered", "hf_static_gathered", "hf_zero3_static_loop", "hf_zero3_graphs", "hf_zero3_graphs1",
-           "hf_zero3_graphs_unfused", "layerwise")
-GRAPH_STEPS = {"hf_zero3_static_loop": 0, "hf_zero3_graphs": 8, "hf_zero3_graphs1": 1, "hf_zero3_graphs_unfused": 8}
+ALL_CONFIGS = ("hf_eager_gathered", "hf_static_gathered", "hf_zero3_static_loop", "hf_zero3_graphs", "hf_zero3_graphs1",
+               "hf_zero3_graphs_unfused", "hf_zero3_graphs_torch_attention", "hf_zero3_graphs_cublas_mlp", "layerwise")
+CONFIGS = tuple(c for c in os.environ.get("BENCH_CONFIGS", ",".join(ALL_CONFIGS)).split(",") if c)
+GRAPH_STEPS = {"hf_zero3_static_loop": 0, "hf_zero3_graphs": 8, "hf_zero3_graphs1": 1, "hf_zero3_graphs_unfused": 8,
+               "hf_zero3_graphs_torch_attention": 8, "hf_zero3_graphs_cublas_mlp": 8}
 
 
 def rank_main():
@@ -83,6 +88,8 @@ def rank_main():
             times, outs = [], []
             hf_zero3.release_decode_graphs(module)  # each configuration builds its own loop
             os.environ["HF_ZERO3_FUSE_QKV"] = "0" if name == "hf_zero3_graphs_unfused" else "1"
+            os.environ["HF_ZERO3_TRITON_ATTENTION"] = "0" if name == "hf_zero3_graphs_torch_attention" else "1"
+            os.environ["HF_ZERO3_TRITON_MLP"] = "0" if name == "hf_zero3_graphs_cublas_mlp" else "1"
             for rep in range(2):
                 mark(f"batch {batch} {name} rep {rep}")
                 kw = dict(input_ids=ids, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0, eos_token_id=None)
@@ -107,6 +114,7 @@ def rank_main():
                              first_call_capture_s=first_capture, graphs_reused=getattr(ours, "graphs_reused", None),
                              attention=getattr(ours, "attention", None),
                              fused_projections=getattr(ours, "fused_projections", None),
+                             mlp_kernels=getattr(ours, "mlp_kernels", None),
                              same_tokens_both_calls=bool(torch.equal(outs[0], outs[1])),
                              forwards=getattr(stats, "forwards", None), compiles=getattr(stats, "compiles", None),
                              weight_bytes=n_bytes))
@@ -137,13 +145,15 @@ def main():
         r["useful_fraction_of_floor"] = r["tokens_per_s"] / r["floor_tok_s"]
     for batch in BATCHES:
         base = {r["config"]: r for r in rows if r["batch"] == batch}
+        if "hf_eager_gathered" not in base or "hf_static_gathered" not in base:
+            continue
         for r in base.values():
             r["vs_hf_eager_gathered"] = r["tokens_per_s"] / base["hf_eager_gathered"]["tokens_per_s"]
             r["vs_hf_static"] = r["tokens_per_s"] / base["hf_static_gathered"]["tokens_per_s"]
     setup = dict(world=world, max_new_tokens=MAX_NEW, prompt=PROMPT, batches=BATCHES)
     path = save("decode", {"setup": setup, "rows": rows}, HERE)
     print(setup)
-    print(table(rows, ["batch", "config", "decode", "loop", "graph_steps", "fused_projections", "forwards", "seconds", "capture_s", "first_call_capture_s", "graphs_reused", "tokens_per_s",
+    print(table(rows, ["batch", "config", "decode", "loop", "graph_steps", "fused_projections", "attention", "mlp_kernels", "forwards", "seconds", "capture_s", "first_call_capture_s", "graphs_reused", "tokens_per_s",
                        "step_tokens_per_s", "compile_s", "fraction_of_floor",
                        "vs_hf_eager_gathered", "vs_hf_static"]))
     print(f"raw numbers: {path}")
