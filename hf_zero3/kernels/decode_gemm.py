@@ -17,122 +17,61 @@ Loaded lazily; :func:`is_available` as in :mod:`.gqa_decode` (Triton, ``torch.li
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import torch
+
+from . import _triton
 
 __all__ = ["is_available", "load", "linear", "gate_up_silu", "DEFAULT", "CONFIGS", "MAX_ROWS"]
 
 DEFAULT = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
-_state: dict = {}
-
-
-def is_available() -> bool:
-    return importlib.util.find_spec("triton") is not None and hasattr(torch.library, "wrap_triton")
-
-
-def _build():
-    import triton
-    import triton.language as tl
-    # (the raw kernels; _ops wraps them in autotuning and torch.library ops)
-
-    @triton.jit
-    def linear_kernel(X, W, O, M, N, sxm, swn, som, K: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        pid = tl.program_id(0)
-        rm = tl.arange(0, BLOCK_M)
-        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k in range(0, K, BLOCK_K):
-            x = tl.load(X + rm[:, None] * sxm + (k + rk)[None, :], mask=(rm[:, None] < M) & ((k + rk)[None, :] < K),
-                        other=0.0)
-            w = tl.load(W + rn[:, None] * swn + (k + rk)[None, :], mask=(rn[:, None] < N) & ((k + rk)[None, :] < K),
-                        other=0.0)
-            acc += tl.dot(x, tl.trans(w))
-        tl.store(O + rm[:, None] * som + rn[None, :], acc.to(O.dtype.element_ty),
-                 mask=(rm[:, None] < M) & (rn[None, :] < N))
-
-    @triton.jit
-    def gate_up_kernel(X, WG, WU, O, M, N, sxm, swn, som, K: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        pid = tl.program_id(0)
-        rm = tl.arange(0, BLOCK_M)
-        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k in range(0, K, BLOCK_K):
-            kmask = (k + rk)[None, :] < K
-            x = tl.load(X + rm[:, None] * sxm + (k + rk)[None, :], mask=(rm[:, None] < M) & kmask, other=0.0)
-            wmask = (rn[:, None] < N) & kmask
-            wg = tl.load(WG + rn[:, None] * swn + (k + rk)[None, :], mask=wmask, other=0.0)
-            wu = tl.load(WU + rn[:, None] * swn + (k + rk)[None, :], mask=wmask, other=0.0)
-            gate += tl.dot(x, tl.trans(wg))
-            up += tl.dot(x, tl.trans(wu))
-        # the model's dtype between the GEMMs and the activation, as eager rounds them
-        g = gate.to(O.dtype.element_ty).to(tl.float32)
-        u = up.to(O.dtype.element_ty).to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(O.dtype.element_ty).to(tl.float32)
-        tl.store(O + rm[:, None] * som + rn[None, :], (act * u).to(O.dtype.element_ty),
-                 mask=(rm[:, None] < M) & (rn[None, :] < N))
-
-    return triton, linear_kernel, gate_up_kernel
-
-
 # the launch configurations the probe and autotuning try (each fits an H100/H200 SM's shared memory)
 CONFIGS = [dict(BLOCK_N=bn, BLOCK_K=bk, num_stages=st, num_warps=w) for bn, bk, st, w in [
     (16, 128, 4, 4), (16, 256, 3, 4), (32, 128, 4, 4), (32, 256, 3, 4), (32, 128, 5, 4), (64, 128, 4, 4),
     (64, 64, 5, 4), (32, 128, 4, 8), (16, 512, 2, 4), (64, 128, 3, 4), (64, 64, 4, 8),
     (128, 64, 4, 8)]]
 MAX_ROWS = 64
+_state: dict = {}
+
+
+def is_available() -> bool:
+    return _triton.missing() is None
 
 
 def _kernels():
+    """The raw kernels (:func:`_ops` wraps them in autotuning and ``torch.library`` ops), imported
+    on first use: importing Triton is not free, and its interpreter switch is read then."""
     if "kernels" not in _state:
-        _state["kernels"] = _build()
+        from . import _decode_gemm_triton as k
+
+        _state["kernels"] = (k.linear_kernel, k.gate_up_kernel)
     return _state["kernels"]
 
 
-def _launch(kernel):
-    return kernel if os.environ.get("TRITON_INTERPRET") == "1" else torch.library.wrap_triton(kernel)
-
-
-def _block_m(m: int) -> int:
+def _call(kernel, x: torch.Tensor, weights: tuple[torch.Tensor, ...], meta: dict) -> torch.Tensor:
+    """Launch ``kernel`` over ``x`` (2-D, contiguous rows) and same-shaped ``weights``: one
+    program per ``BLOCK_N`` output columns, ``meta`` the launch configuration (empty: the
+    autotuner's)."""
     import triton
 
-    return max(16, triton.next_power_of_2(m))
+    m, k = x.shape
+    n = weights[0].shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(n, meta["BLOCK_N"]),) if meta else (lambda cfg: (triton.cdiv(n, cfg["BLOCK_N"]),))
+    _triton.launcher(kernel)[grid](x, *weights, out, m, n, x.stride(0), weights[0].stride(0), out.stride(0), K=k,
+                                   BLOCK_M=max(16, triton.next_power_of_2(m)), **meta)
+    return out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, cfg: dict | None = None) -> torch.Tensor:
     """``x @ weight.T`` for 2-D ``x`` of at most 64 rows (contiguous rows and weight), one launch
     configuration (the probe's entry; :func:`load` gives the autotuned ops)."""
-    import triton
-
-    _, kernel, _ = _kernels()
-    cfg = cfg or DEFAULT
-    m, k = x.shape
-    n = weight.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    _launch(kernel)[(triton.cdiv(n, cfg["BLOCK_N"]),)](x, weight, out, m, n, x.stride(0), weight.stride(0),
-                                                        out.stride(0), K=k, BLOCK_M=_block_m(m), **cfg)
-    return out
+    return _call(_kernels()[0], x, (weight,), cfg or DEFAULT)
 
 
 def gate_up_silu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, cfg: dict | None = None) -> torch.Tensor:
     """``silu(x @ gate.T) * (x @ up.T)`` (rounded to the model's dtype where eager rounds), one
     launch configuration."""
-    import triton
-
-    _, _, kernel = _kernels()
-    cfg = cfg or DEFAULT
-    m, k = x.shape
-    n = gate.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    _launch(kernel)[(triton.cdiv(n, cfg["BLOCK_N"]),)](x, gate, up, out, m, n, x.stride(0), gate.stride(0),
-                                                        out.stride(0), K=k, BLOCK_M=_block_m(m), **cfg)
-    return out
+    return _call(_kernels()[1], x, (gate, up), cfg or DEFAULT)
 
 
 def load():
@@ -142,8 +81,9 @@ def load():
     trace. None when Triton is missing or the build fails (``_state["error"]`` says why)."""
     if "ops" in _state or "error" in _state:
         return _state.get("ops")
-    if not is_available():
-        _state["error"] = "Triton or torch.library.triton_op is missing"
+    reason = _triton.missing()
+    if reason is not None:
+        _state["error"] = reason
         return None
     try:
         _state["ops"] = _ops()
@@ -155,9 +95,8 @@ def load():
 def _ops():
     import triton
 
-    _, linear_kernel, gate_up_kernel = _kernels()
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    if interpret:
+    linear_kernel, gate_up_kernel = _kernels()
+    if _triton.interpreted():
         tuned_linear, tuned_gate_up, fixed = linear_kernel, gate_up_kernel, DEFAULT
     else:
         configs = [triton.Config({"BLOCK_N": c["BLOCK_N"], "BLOCK_K": c["BLOCK_K"]}, num_warps=c["num_warps"],
@@ -166,27 +105,12 @@ def _ops():
         tuned_gate_up = triton.autotune(configs=configs, key=["M", "N", "K"])(gate_up_kernel)
         fixed = {}
 
-    def grid(n):
-        if fixed:
-            return (triton.cdiv(n, fixed["BLOCK_N"]),)
-        return lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)
-
     @torch.library.triton_op("hf_zero3::decode_linear", mutates_args=())
     def linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        m, k = x.shape
-        n = weight.shape[0]
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-        _launch(tuned_linear)[grid(n)](x, weight, out, m, n, x.stride(0), weight.stride(0), out.stride(0), K=k,
-                                       BLOCK_M=_block_m(m), **fixed)
-        return out
+        return _call(tuned_linear, x, (weight,), fixed)
 
     @torch.library.triton_op("hf_zero3::decode_gate_up_silu", mutates_args=())
     def gate_up_op(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        m, k = x.shape
-        n = gate.shape[0]
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-        _launch(tuned_gate_up)[grid(n)](x, gate, up, out, m, n, x.stride(0), gate.stride(0), out.stride(0), K=k,
-                                        BLOCK_M=_block_m(m), **fixed)
-        return out
+        return _call(tuned_gate_up, x, (gate, up), fixed)
 
     return linear_op, gate_up_op

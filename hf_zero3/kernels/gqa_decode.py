@@ -24,10 +24,11 @@ CPU tests use.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import torch
+
+from . import _triton
 
 __all__ = ["NAME", "is_available", "unavailable_reason", "load", "supports", "pays", "gqa_decode_attention"]
 
@@ -40,13 +41,7 @@ def unavailable_reason() -> str | None:
     """Why the kernel cannot run here (None: it can)."""
     if os.environ.get("HF_ZERO3_TRITON_ATTENTION", "1").lower() in ("0", "off", "false"):
         return "disabled by HF_ZERO3_TRITON_ATTENTION=0"
-    if "error" in _state:
-        return _state["error"]
-    if importlib.util.find_spec("triton") is None:
-        return "Triton is not installed"
-    if not hasattr(torch.library, "triton_op") or not hasattr(torch.library, "wrap_triton"):
-        return f"torch {torch.__version__} has no torch.library.triton_op (torch >= 2.6)"
-    return None
+    return _state.get("error") or _triton.missing()
 
 
 def is_available() -> bool:
@@ -86,7 +81,7 @@ def load():
         reason = unavailable_reason()
         if reason is None:
             try:
-                _state["interpret"] = os.environ.get("TRITON_INTERPRET") == "1"
+                _state["interpret"] = _triton.interpreted()
                 _state["op"] = _build()
                 if torch.cuda.is_available() and not _state["interpret"]:
                     _state["min_programs"] = torch.cuda.get_device_properties(
@@ -151,9 +146,7 @@ def _build():
         tl.store(O + b * sob + (head * G + g)[:, None] * soh + dv[None, :], out.to(O.dtype.element_ty),
                  mask=rows[:, None] & (dv[None, :] < DV))
 
-    # Triton's interpreter (CPU tests) gives a function wrap_triton does not take; called directly
-    # (outside torch.compile the two launch alike)
-    launch = kernel if os.environ.get("TRITON_INTERPRET") == "1" else torch.library.wrap_triton(kernel)
+    launch = _triton.launcher(kernel)
 
     @torch.library.triton_op("hf_zero3::gqa_decode_attention", mutates_args=())
     def op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, mask_kind: int,

@@ -1,0 +1,32 @@
+"""What hf_zero3's Triton kernels share: whether Triton and ``torch.library``'s Triton ops are
+here, and how a kernel is launched. Triton's interpreter (``TRITON_INTERPRET=1``, which the CPU
+tests use) turns ``@triton.jit`` functions into objects ``torch.library.wrap_triton`` does not
+take; outside ``torch.compile`` the two launch alike, so an interpreted kernel is called directly."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+__all__ = ["missing", "interpreted", "launcher"]
+
+
+def missing() -> str | None:
+    """Why Triton kernels cannot be built here (None: they can)."""
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed"
+    if not hasattr(torch.library, "triton_op") or not hasattr(torch.library, "wrap_triton"):
+        return f"torch {torch.__version__} has no torch.library.triton_op (torch >= 2.6)"
+    return None
+
+
+def interpreted() -> bool:
+    """Triton runs its interpreter in this process (read when a kernel is built)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def launcher(kernel):
+    """``kernel`` as ``torch.library.triton_op`` bodies launch it (``launcher(k)[grid](...)``)."""
+    return kernel if interpreted() else torch.library.wrap_triton(kernel)
