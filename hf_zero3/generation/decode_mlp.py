@@ -26,7 +26,7 @@ from torch import nn
 
 from ..kernels import decode_gemm
 
-__all__ = ["CLASSES", "enabled", "plan", "use", "applies"]
+__all__ = ["CLASSES", "enabled", "plan", "bind", "use", "applies"]
 
 # MLP classes whose forward is down_proj(act_fn(gate_proj(x)) * up_proj(x))
 CLASSES = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
@@ -84,24 +84,32 @@ def _forward(mlp: nn.Module):
     return forward
 
 
+def bind(model: nn.Module, names: tuple[str, ...]) -> list[nn.Module]:
+    """The named MLP modules (:func:`plan`) that still apply, once per call (the decode steps then
+    patch only these)."""
+    bound = []
+    for name in names:
+        try:
+            mlp = model.get_submodule(name)
+        except AttributeError:  # the model changed since the plan
+            continue
+        if applies(mlp):
+            bound.append(mlp)
+    return bound
+
+
 @contextlib.contextmanager
-def use(model: nn.Module, names: tuple[str, ...]):
-    """Inside: the named MLP modules (:func:`plan`) that still apply run through the kernels."""
+def use(mlps: list[nn.Module]):
+    """Inside: ``mlps`` (:func:`bind`) run through the kernels."""
     patched = []
     try:
-        for name in names:
-            try:
-                mlp = model.get_submodule(name)
-            except AttributeError:  # the model changed since the plan
-                continue
-            if not applies(mlp):
-                continue
+        for mlp in mlps:
             fn = _FORWARDS.get(mlp)
             if fn is None:
                 fn = _FORWARDS[mlp] = _forward(mlp)
             mlp.forward = fn
             patched.append(mlp)
-        yield len(patched)
+        yield
     finally:
         for mlp in patched:
             vars(mlp).pop("forward", None)

@@ -199,8 +199,9 @@ class _Loop:
         self.attention = attention  # the decode_attention the steps attend with (None: the model's own)
         self.fused = fused_projections.Fused(fused)  # attention modules whose q/k/v run as one GEMM
         self.fused_layers = 0
-        self.mlp = mlp  # MLP modules the decode steps run through decode_mlp's kernels
-        self.mlp_layers = 0
+        self.mlp = mlp  # names of the MLP modules the decode steps run through decode_mlp's kernels
+        self.mlp_bound: list = []  # this call's MLP modules that still apply (decode_mlp.bind)
+        self.mlp_layers = 0  # how many, for the call's stats (the modules are dropped at its end)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # steps per graph -> graph
         self.cache_ptrs = None  # the cache tensors the graphs were captured with
         self.cache_small = None  # per layer, its small tensors (length counters) the graphs read
@@ -240,6 +241,7 @@ class _Loop:
 
     def end(self) -> None:
         self.fused.free()
+        self.mlp_bound = []
         self.model = self.cache = self.prompt = self.processors = self.call = None
         self.prompt_mask = self.prompt_positions = None
 
@@ -284,7 +286,7 @@ class _Loop:
         kwargs = dict(input_ids=self.tok.view(-1, 1), attention_mask=self.mask, position_ids=self.pos.view(-1, 1),
                       past_key_values=self.cache, use_cache=True, **self.extra)
         with (decode_attention.use(self.model, self.attention), self.fused.use(),
-              decode_mlp.use(self.model, self.mlp) as self.mlp_layers,
+              decode_mlp.use(self.mlp_bound),
               hf_up.input_grad_hooks_suspended(self.model), ds_up.engine_forward_hooks_suspended(self.model)):
             try:
                 out = self.call(self.model, **kwargs)
@@ -374,7 +376,8 @@ def _module_state(model) -> tuple:
     return tuple(state)
 
 
-def _loop_key(model, input_ids, processors, generation_config, eos, cache) -> tuple[tuple, tuple] | None:
+def _loop_key(model, input_ids, processors, generation_config, eos, cache,
+              attention: str | None) -> tuple[tuple, tuple] | None:
     """(what a loop's buffers and graphs are shaped by, the addresses and state they were captured
     with); None when a processor holds something other than plain values (its graph would bake
     in a tensor the next call may not pass again)."""
@@ -386,7 +389,7 @@ def _loop_key(model, input_ids, processors, generation_config, eos, cache) -> tu
     dev = input_ids.device
     shape = (type(model), input_ids.shape[0], _cache_length(cache), str(dev), bool(generation_config.do_sample),
              tuple(procs), None if eos is None else tuple(eos.tolist()),
-             decode_attention.choice(model, dev, input_ids.shape[0]), decode_mlp.enabled())
+             attention, decode_mlp.enabled())
     where = (tuple(t.data_ptr() for t in model.parameters()), tuple(t.data_ptr() for t in model.buffers()),
              tuple(t.dtype for t in model.parameters()), torch.is_autocast_enabled(dev.type),
              torch.get_autocast_dtype(dev.type), _module_state(model))
@@ -397,7 +400,8 @@ def _loop_for(model, input_ids, processors, generation_config, stopping_criteria
     """(the loop for this call, whether an earlier call's); at most ``KEEP`` per model, most recent
     first, and one per shape: a loop whose addresses or state no longer match is replaced."""
     eos = _eos_ids(stopping_criteria, input_ids.device)
-    key = _loop_key(model, input_ids, processors, generation_config, eos, cache)
+    attention = decode_attention.choice(model, input_ids.device, input_ids.shape[0])
+    key = _loop_key(model, input_ids, processors, generation_config, eos, cache, attention)
     if key is not None:
         kept = _LOOPS.setdefault(model, collections.OrderedDict())
         entry = kept.get(key[0])
@@ -405,8 +409,7 @@ def _loop_for(model, input_ids, processors, generation_config, stopping_criteria
             kept.move_to_end(key[0])
             return entry[1], True
     loop = _Loop(input_ids.shape[0], _cache_length(cache), input_ids.device, eos, bool(generation_config.do_sample),
-                 decode_attention.choice(model, input_ids.device, input_ids.shape[0]),
-                 fused_projections.plan(model), decode_mlp.plan(model, input_ids.device))
+                 attention, fused_projections.plan(model), decode_mlp.plan(model, input_ids.device))
     if key is not None:
         kept[key[0]] = (key[1], loop)
         kept.move_to_end(key[0])
@@ -515,6 +518,8 @@ def decode(model, call, input_ids, logits_processor, stopping_criteria, generati
         # this call's q/k/v weights copied into one buffer, after the prefill (its peak does not
         # hold the copy) and before the check of what the graphs were captured with
         loop.fused_layers = loop.fused.bind(model)
+        loop.mlp_bound = decode_mlp.bind(model, loop.mlp)
+        loop.mlp_layers = len(loop.mlp_bound)
         loop.bind_cache()
         every, fixed = call.cfg.sync_every, call.cfg.stop == "fixed"
         tokens = 1  # the prefill chose token 1; before forward k + 1 the loop asks to go on (k = tokens)

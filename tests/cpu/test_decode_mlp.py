@@ -67,9 +67,11 @@ def test_which_mlps_it_takes_and_use_restores_them(monkeypatch):
     mlp.__class__ = other.__mro__[1]
     monkeypatch.setenv("HF_ZERO3_TRITON_MLP", "0")
     assert not decode_mlp.enabled()
+    bound = decode_mlp.bind(model, names)
+    assert len(bound) == 2 and bound[0] is mlp
     with pytest.raises(RuntimeError, match="inside"):
-        with decode_mlp.use(model, names) as n:
-            assert n == 2 and "forward" in vars(mlp)
+        with decode_mlp.use(bound):
+            assert "forward" in vars(mlp)
             raise RuntimeError("inside")
     assert "forward" not in vars(mlp)
 

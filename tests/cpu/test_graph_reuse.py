@@ -58,38 +58,39 @@ def test_the_key_follows_parameters_state_hooks_and_processors(parts):
     from hf_zero3.generation import graph_decode as gd
 
     model, cache, ids, cfg = parts
+    attention = gd.decode_attention.choice(model, ids.device, ids.shape[0])  # as _loop_for passes it
     procs = [TemperatureLogitsWarper(0.7)]
-    key = gd._loop_key(model, ids, procs, cfg, None, cache)
-    assert gd._loop_key(model, ids, [TemperatureLogitsWarper(0.7)], cfg, None, cache) == key
-    assert gd._loop_key(model, ids, [TemperatureLogitsWarper(0.9)], cfg, None, cache)[0] != key[0]
+    key = gd._loop_key(model, ids, procs, cfg, None, cache, attention)
+    assert gd._loop_key(model, ids, [TemperatureLogitsWarper(0.7)], cfg, None, cache, attention) == key
+    assert gd._loop_key(model, ids, [TemperatureLogitsWarper(0.9)], cfg, None, cache, attention)[0] != key[0]
     model.train()
-    assert gd._loop_key(model, ids, procs, cfg, None, cache)[1] != key[1]
+    assert gd._loop_key(model, ids, procs, cfg, None, cache, attention)[1] != key[1]
     model.eval()
     model.model.layers[0].self_attn.lora_scaling = {"default": 2.0}  # PEFT keeps per-adapter values in dicts
-    scaled = gd._loop_key(model, ids, procs, cfg, None, cache)
+    scaled = gd._loop_key(model, ids, procs, cfg, None, cache, attention)
     model.model.layers[0].self_attn.lora_scaling = {"default": 0.5}
-    assert gd._loop_key(model, ids, procs, cfg, None, cache)[1] != scaled[1]
+    assert gd._loop_key(model, ids, procs, cfg, None, cache, attention)[1] != scaled[1]
     del model.model.layers[0].self_attn.lora_scaling
     handle = model.model.layers[0].register_forward_hook(lambda *a: None)
-    assert gd._loop_key(model, ids, procs, cfg, None, cache)[1] != key[1]
+    assert gd._loop_key(model, ids, procs, cfg, None, cache, attention)[1] != key[1]
     handle.remove()
-    assert gd._loop_key(model, ids, procs, cfg, None, cache) == key
+    assert gd._loop_key(model, ids, procs, cfg, None, cache, attention) == key
     # DeepSpeed's own module counters move with every training step and no forward reads them
     model.applied_pre_backward_ref_cnt = 3
     model.model.ds_grads_remaining = 1
-    assert gd._loop_key(model, ids, procs, cfg, None, cache) == key
+    assert gd._loop_key(model, ids, procs, cfg, None, cache, attention) == key
     del model.applied_pre_backward_ref_cnt, model.model.ds_grads_remaining
     with torch.no_grad():
         w = model.lm_head.weight
         model.lm_head.weight = torch.nn.Parameter(w.clone())  # new storage, as a new gathered region gives
-    assert gd._loop_key(model, ids, procs, cfg, None, cache)[1] != key[1]
+    assert gd._loop_key(model, ids, procs, cfg, None, cache, attention)[1] != key[1]
 
     class Holding(TemperatureLogitsWarper):  # a processor holding a tensor is never kept
         def __init__(self):
             super().__init__(0.7)
             self.bias = torch.zeros(3)
 
-    assert gd._loop_key(model, ids, [Holding()], cfg, None, cache) is None
+    assert gd._loop_key(model, ids, [Holding()], cfg, None, cache, attention) is None
 
 
 def test_loops_are_kept_per_shape_replaced_when_stale_and_released(parts):
