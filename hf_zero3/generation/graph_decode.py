@@ -49,6 +49,7 @@ import collections
 import contextlib
 import inspect
 import logging
+import os
 import time
 import weakref
 
@@ -74,6 +75,8 @@ _MODEL_KWARGS = frozenset({"attention_mask", "past_key_values", "use_cache", "ou
 _COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit)
 _COMPILED: dict = {}  # model class -> its compiled __call__
 _FAILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> why its forward did not compile
+_PREFILL_FAILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> why its prompt forward did not
+_TAIL_FAILED: list = []  # why the greedy tail did not compile (then it runs eagerly)
 _NO_GRAPHS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> why its steps were not captured
 _LOOPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {shape: (addresses/state, _Loop)}
 KEEP = 2  # loops (static buffers and CUDA graphs) kept per model
@@ -171,6 +174,96 @@ def _compiled_call(cls):
     return fn
 
 
+def prefill_enabled() -> bool:
+    """The prompt's forward is compiled where the decode step is (``HF_ZERO3_COMPILE_PREFILL=0``: eager)."""
+    return os.environ.get("HF_ZERO3_COMPILE_PREFILL", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _prompt_logits(model, **kwargs):
+    """The prompt's forward, to the last position's logits. Its own function, so Dynamo keeps its
+    graphs (one per batch size, the prompt length dynamic) apart from the decode step's: the step
+    compiles ``Module.__call__``, whose code object (and recompile limit, and automatic-dynamic
+    record) would otherwise be shared, and a prompt's length would turn the step's shapes dynamic."""
+    return model(**kwargs).logits[:, -1]
+
+
+_PREFILL: list = []  # the compiled _prompt_logits, built once
+
+
+def _compiled_prefill():
+    if not _PREFILL:
+        _PREFILL.append(torch.compile(_prompt_logits, fullgraph=True))
+    return _PREFILL[0]
+
+
+def _record_token(nxt, unfinished, pad, eos, out, idx, own, alive, tok) -> None:
+    """After a step's token choice, in place on the loop's buffers: EOS masking, the token written
+    out, the row and "any row alive" flags, the next input token."""
+    if eos is not None:
+        nxt = torch.where(unfinished, nxt, pad)
+    out.index_copy_(1, idx, nxt.view(-1, 1))
+    if eos is not None:
+        unfinished &= ~torch.isin(nxt, eos)
+    unfinished &= idx + 1 < own  # token idx + 1 reached this rank's max_length
+    alive.index_copy_(0, idx, unfinished.any().view(1))
+    tok.copy_(nxt)
+    idx.add_(1)
+
+
+def _greedy_tail(logits, *buffers) -> None:
+    """A greedy step after the forward: the argmax of the model's logits (that of their float32
+    copy, ties to the first index) and :func:`_record_token`. Compiled: one reduction and one
+    pointwise kernel instead of about ten launches per step (an eager bf16 argmax over the
+    vocabulary alone took 33 us of a batch-64 step on one H200)."""
+    _record_token(torch.argmax(logits, dim=-1), *buffers)
+
+
+_TAIL: list = []  # the compiled _greedy_tail, built once
+
+
+def _compiled_tail():
+    if not _TAIL:
+        _TAIL.append(torch.compile(_greedy_tail, fullgraph=True))
+    return _TAIL[0]
+
+
+def _prompt_inputs(input_ids, model_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompt's padding mask (long) and positions: the caller's, or transformers' from the mask."""
+    mask = model_kwargs.get("attention_mask")
+    mask = torch.ones_like(input_ids) if mask is None else mask.to(torch.long)
+    positions = model_kwargs.get("position_ids")
+    if positions is None:
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    return mask, positions.expand(input_ids.shape[0], -1)
+
+
+def _prefill(model, input_ids, mask, positions, cache) -> tuple[torch.Tensor, str]:
+    """The prompt's forward into the static cache: (its last position's logits, "compiled" or
+    "eager"). Compiled (``_prompt_logits``) with the prompt length dynamic, so prompts of any
+    length share one graph per batch size, and with the decode steps' hook suspensions; eager as
+    transformers runs it, without DeepSpeed's per-linear autograd Function under ``no_grad``, where
+    it does not compile (the reason kept per model, one log line) or ``HF_ZERO3_COMPILE_PREFILL=0``.
+    Compilation fails before any kernel runs, so the eager forward after a failure starts clean."""
+    kwargs = dict(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                  use_cache=True, **_forward_kwargs(model))
+    if prefill_enabled() and model not in _PREFILL_FAILED:
+        dims = {}
+        for name in ("input_ids", "attention_mask", "position_ids"):
+            t = kwargs[name].view(kwargs[name].shape)  # a view: the mark stays off the caller's tensor
+            if t.shape[1] > 1:
+                torch._dynamo.maybe_mark_dynamic(t, 1)
+            dims[name] = t
+        try:
+            with (hf_up.input_grad_hooks_suspended(model), ds_up.engine_forward_hooks_suspended(model),
+                  torch_up.hook_guards()):
+                return _compiled_prefill()(model, **{**kwargs, **dims}), "compiled"
+        except _COMPILE_ERRORS as exc:
+            _PREFILL_FAILED[model] = why = f"the prompt's forward does not compile into one graph ({_why(exc)})"
+            log.warning("hf_zero3 lockstep: eager prefill: %s", why)
+    with ds_up.zero3_linear_without_autograd():
+        return model(**kwargs).logits[:, -1], "eager"
+
+
 def _eos_ids(stopping_criteria, device) -> torch.Tensor | None:
     ids = [c.eos_token_id for c in stopping_criteria or () if hasattr(c, "eos_token_id")]
     if not ids:
@@ -210,22 +303,17 @@ class _Loop:
         self.compiled = True
         self.model = self.cache = self.prompt = self.processors = None
 
-    def start(self, model, input_ids, processors, generation_config, stopping_criteria, model_kwargs, budget):
-        self.model, self.processors = model, processors
-        self.cache = model_kwargs["past_key_values"]
+    def start(self, model, input_ids, mask, positions, cache, processors, generation_config, stopping_criteria,
+              budget):
+        """Fill the buffers for one call (``mask``, ``positions``: the prompt's, from
+        :func:`_prompt_inputs`) after its prompt's forward was queued."""
+        self.model, self.processors, self.cache = model, processors, cache
         b, p = input_ids.shape
         self.prompt = input_ids
-        mask = model_kwargs.get("attention_mask")
-        mask = torch.ones_like(input_ids) if mask is None else mask.to(torch.long)
-        self.prompt_mask = mask
         # the cache's whole length: prompt padding, then every position a decode step may fill
         self.mask.fill_(1)
         self.mask[:, :p] = mask
-        positions = model_kwargs.get("position_ids")  # transformers' (from the mask), or the caller's
-        if positions is None:
-            positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
-        self.prompt_positions = positions.expand(b, -1)
-        self.pos.copy_(self.prompt_positions[:, -1])
+        self.pos.copy_(positions[:, -1])
         self.idx.zero_()
         self.unfinished.fill_(True)
         # this rank's own step budget (its max_length), which may be below the group's agreed one:
@@ -243,7 +331,6 @@ class _Loop:
         self.fused.free()
         self.mlp_bound = []
         self.model = self.cache = self.prompt = self.processors = self.call = None
-        self.prompt_mask = self.prompt_positions = None
 
     def bind_cache(self) -> None:
         """After the prefill (a static cache allocates its tensors at its first update): graphs
@@ -271,14 +358,9 @@ class _Loop:
             self.cache_small = [{k: v for k, v in vars(layer).items() if isinstance(v, torch.Tensor) and v.numel() <= _SMALL}
                                 for layer in self.cache.layers]
 
-    def prefill(self) -> None:
-        """The prompt's forward (eager, as transformers does it, without DeepSpeed's per-linear
-        autograd Function under ``no_grad``) and the first token."""
-        with ds_up.zero3_linear_without_autograd():
-            out = self.model(input_ids=self.prompt, attention_mask=self.prompt_mask,
-                             position_ids=self.prompt_positions, past_key_values=self.cache, use_cache=True,
-                             **self.extra)
-        self._choose(out.logits[:, -1])
+    def first(self, logits: torch.Tensor) -> None:
+        """The first token, from the prompt's logits (:func:`_prefill`)."""
+        self._choose(logits)
 
     def step(self) -> None:
         """One decode step, in place on the static buffers (the unit a CUDA graph captures)."""
@@ -303,27 +385,23 @@ class _Loop:
         self._choose(out.logits[:, -1])
 
     def _choose(self, logits: torch.Tensor) -> None:
+        buffers = (self.unfinished, self.pad, self.eos, self.out, self.idx, self.own, self.alive, self.tok)
         if not self.sample and not self.processors:
-            # greedy: the argmax of the model's logits is that of their float32 copy (the same
-            # values, ties to the first index); no copy of batch x vocab floats each step
-            nxt = torch.argmax(logits, dim=-1)
+            if not _TAIL_FAILED:
+                try:
+                    return _compiled_tail()(logits, *buffers)
+                except _COMPILE_ERRORS as exc:  # before any kernel ran: the eager tail does the same
+                    _TAIL_FAILED.append(_why(exc))
+                    log.warning("hf_zero3 lockstep: greedy steps without a compiled tail: %s", _TAIL_FAILED[0])
+            return _greedy_tail(logits, *buffers)
+        scores = logits.to(torch.float32)
+        for proc in self.processors or ():
+            scores = proc(self.prompt, scores)  # tensor-only processors ignore the ids
+        if self.sample:
+            nxt = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
         else:
-            scores = logits.to(torch.float32)
-            for proc in self.processors or ():
-                scores = proc(self.prompt, scores)  # tensor-only processors ignore the ids
-            if self.sample:
-                nxt = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
-            else:
-                nxt = torch.argmax(scores, dim=-1)
-        if self.eos is not None:
-            nxt = torch.where(self.unfinished, nxt, self.pad)
-        self.out.index_copy_(1, self.idx, nxt.view(-1, 1))
-        if self.eos is not None:
-            self.unfinished &= ~torch.isin(nxt, self.eos)
-        self.unfinished &= self.idx + 1 < self.own  # token idx + 1 reached this rank's max_length
-        self.alive.index_copy_(0, self.idx, self.unfinished.any().view(1))
-        self.tok.copy_(nxt)
-        self.idx.add_(1)
+            nxt = torch.argmax(scores, dim=-1)
+        _record_token(nxt, *buffers)
 
     def finished(self) -> bool:
         return not bool(self.unfinished.any())  # the one host sync, at a stop agreement
@@ -348,16 +426,26 @@ def _tensor_ptrs(obj, big: bool = False) -> tuple:
                  if isinstance(v, torch.Tensor) and (not big or v.numel() > _SMALL))
 
 
-def _plain_state(obj) -> tuple:
-    """An object's plain attributes (flags, names, sizes: what Dynamo specializes a graph on)."""
+def _plain_state(obj, skip=None) -> tuple:
+    """An object's plain attributes (flags, names, sizes: what Dynamo specializes a graph on),
+    without those ``skip(name)`` is true for. One pass over ``vars(obj)``, type checks before any
+    call: it runs over every module of the model once per call."""
     items = []
+    scalars = _SCALARS
     for k, v in vars(obj).items():
-        if type(v) in _SCALARS:
+        t = type(v)
+        if t in scalars:
+            pass
+        elif t is list or t is tuple or isinstance(v, (list, tuple)):
+            if not all(type(x) is str for x in v):
+                continue
+            v = tuple(v)
+        elif isinstance(v, dict) and v and all(type(x) is str for x in v) and all(type(x) in scalars for x in v.values()):
+            v = tuple(sorted(v.items()))  # PEFT's per-adapter scaling, r, lora_alpha
+        else:
+            continue
+        if skip is None or not skip(k):
             items.append((k, v))
-        elif isinstance(v, (list, tuple)) and all(type(x) is str for x in v):
-            items.append((k, tuple(v)))
-        elif isinstance(v, dict) and v and all(type(x) is str for x in v) and all(type(x) in _SCALARS for x in v.values()):
-            items.append((k, tuple(sorted(v.items()))))  # PEFT's per-adapter scaling, r, lora_alpha
     return tuple(items)
 
 
@@ -366,9 +454,10 @@ def _module_state(model) -> tuple:
     module's flags and plain attributes (``training``, PEFT's active/disabled adapters), its hook
     counts, and the config's plain fields. ZeRO-3's own bookkeeping (``ds_*``, its pre-backward
     reference count, which a training step moves) is left out."""
+    skip = ds_up.is_module_bookkeeping
     state = []
     for m in model.modules():
-        state.append(tuple(kv for kv in _plain_state(m) if not ds_up.is_module_bookkeeping(kv[0])))
+        state.append(_plain_state(m, skip))
         state.append((len(m._forward_hooks), len(m._forward_pre_hooks)))
     config = getattr(model, "config", None)
     if config is not None:
@@ -376,7 +465,7 @@ def _module_state(model) -> tuple:
     return tuple(state)
 
 
-def _loop_key(model, input_ids, processors, generation_config, eos, cache,
+def _loop_key(model, input_ids, processors, generation_config, eos_key, cache,
               attention: str | None) -> tuple[tuple, tuple] | None:
     """(what a loop's buffers and graphs are shaped by, the addresses and state they were captured
     with); None when a processor holds something other than plain values (its graph would bake
@@ -388,20 +477,21 @@ def _loop_key(model, input_ids, processors, generation_config, eos, cache,
         procs.append((type(p).__name__, tuple(sorted(vars(p).items()))))
     dev = input_ids.device
     shape = (type(model), input_ids.shape[0], _cache_length(cache), str(dev), bool(generation_config.do_sample),
-             tuple(procs), None if eos is None else tuple(eos.tolist()),
+             tuple(procs), eos_key,
              attention, decode_mlp.enabled())
-    where = (tuple(t.data_ptr() for t in model.parameters()), tuple(t.data_ptr() for t in model.buffers()),
-             tuple(t.dtype for t in model.parameters()), torch.is_autocast_enabled(dev.type),
+    params = list(model.parameters())
+    where = (tuple(t.data_ptr() for t in params), tuple(t.data_ptr() for t in model.buffers()),
+             tuple(t.dtype for t in params), torch.is_autocast_enabled(dev.type),
              torch.get_autocast_dtype(dev.type), _module_state(model))
     return shape, where
 
 
-def _loop_for(model, input_ids, processors, generation_config, stopping_criteria, cache) -> tuple[_Loop, bool]:
+def _loop_for(model, input_ids, processors, generation_config, eos, eos_key, cache) -> tuple[_Loop, bool]:
     """(the loop for this call, whether an earlier call's); at most ``KEEP`` per model, most recent
-    first, and one per shape: a loop whose addresses or state no longer match is replaced."""
-    eos = _eos_ids(stopping_criteria, input_ids.device)
+    first, and one per shape: a loop whose addresses or state no longer match is replaced. Host
+    work only (no device sync): it runs while the prompt's forward does."""
     attention = decode_attention.choice(model, input_ids.device, input_ids.shape[0])
-    key = _loop_key(model, input_ids, processors, generation_config, eos, cache, attention)
+    key = _loop_key(model, input_ids, processors, generation_config, eos_key, cache, attention)
     if key is not None:
         kept = _LOOPS.setdefault(model, collections.OrderedDict())
         entry = kept.get(key[0])
@@ -426,14 +516,15 @@ def _forget(model, loop: _Loop) -> None:
 
 def release(model=None) -> None:
     """Free the static buffers and CUDA graphs the loop keeps for ``model`` (every model: None),
-    and forget why its forward did not compile or its steps were not captured: after the cause is
+    and forget why its forward (or its prompt's) did not compile or its steps were not captured: after the cause is
     gone (a hook removed, say) the next call tries the compiled loop again."""
     if model is None:
         _LOOPS.clear()
         _FAILED.clear()
+        _PREFILL_FAILED.clear()
         _NO_GRAPHS.clear()
     else:
-        for kept in (_LOOPS, _FAILED, _NO_GRAPHS):
+        for kept in (_LOOPS, _FAILED, _PREFILL_FAILED, _NO_GRAPHS):
             kept.pop(model, None)
 
 
@@ -510,11 +601,17 @@ def decode(model, call, input_ids, logits_processor, stopping_criteria, generati
     agreements of transformers' loop under lockstep, at the same steps."""
     budget = int(call.budget)
     cache = model_kwargs["past_key_values"]
-    loop, kept = _loop_for(model, input_ids, logits_processor, generation_config, stopping_criteria, cache)
+    eos = _eos_ids(stopping_criteria, input_ids.device)
+    eos_key = None if eos is None else tuple(eos.tolist())  # read before the prefill is queued
+    mask, positions = _prompt_inputs(input_ids, model_kwargs)
+    # the prompt's forward is queued first: the host looks up (or builds) the loop while it runs
+    logits, prefill = _prefill(model, input_ids, mask, positions, cache)
+    loop, kept = _loop_for(model, input_ids, logits_processor, generation_config, eos, eos_key, cache)
     try:
-        loop.start(model, input_ids, logits_processor, generation_config, stopping_criteria, model_kwargs, budget)
+        loop.start(model, input_ids, mask, positions, cache, logits_processor, generation_config, stopping_criteria,
+                   budget)
         runner = _Runner(loop, graph_steps)
-        loop.prefill()
+        loop.first(logits)
         # this call's q/k/v weights copied into one buffer, after the prefill (its peak does not
         # hold the copy) and before the check of what the graphs were captured with
         loop.fused_layers = loop.fused.bind(model)
@@ -540,5 +637,5 @@ def decode(model, call, input_ids, logits_processor, stopping_criteria, generati
     call.finish_loop(tokens, done_at, compiled=loop.compiled, graph_steps=runner.graph_steps,
                      capture_s=runner.capture_s, loop_reused=kept, graphs_reused=runner.reused,
                      attention=loop.attention, fused_projections=loop.fused_layers,
-                     mlp_kernels=loop.mlp_layers)
+                     mlp_kernels=loop.mlp_layers, prefill=prefill, prefill_reason=_PREFILL_FAILED.get(model))
     return out

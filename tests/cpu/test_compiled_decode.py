@@ -36,7 +36,7 @@ def _compiled_two_ranks():
         results[name] = dict(out=out.tolist(), exp=exp.tolist(), forwards=counter.take(), decode=stats.decode,
                              reason=stats.decode_reason, compiles=stats.compiles, gather=stats.gather,
                              stat_forwards=stats.forwards, loop=stats.loop, loop_reason=stats.loop_reason,
-                             extra=stats.extra_forwards, agreements=stats.agreements)
+                             extra=stats.extra_forwards, agreements=stats.agreements, prefill=stats.prefill)
 
     prompt = early_prompt if rank == 0 else sc.late[0]
     run("eager", prompt, gather="all", decode="eager")
@@ -72,6 +72,7 @@ def test_compiled_tokens_equal_eager_and_the_reference_in_fp32(results):
     for r in results:
         for name in ("compiled", "compiled_other"):
             assert r[name]["decode"] == "compiled" and r[name]["reason"] is None, r[name]
+            assert r[name]["prefill"] == "compiled", r[name]  # the prompt's forward compiled too
             assert r[name]["out"] == r[name.replace("compiled", "eager")]["out"] == r[name]["exp"], name
 
 
@@ -197,6 +198,8 @@ def test_batch_sizes_recompile_once_then_reuse_a_dynamic_step():
 def _static_loop_batches_rank():
     """Left-padded batches with rows ending at different steps, seeded sampling, and a forward
     that stops compiling mid-call, through hf_zero3's static loop (2 ranks, fp32)."""
+    import os
+
     import torch._dynamo
     import torch.distributed as dist
     from _zero3_workers import build_engine
@@ -224,7 +227,8 @@ def _static_loop_batches_rank():
         s = engine.module.hf_zero3_last_generate
         out[name] = dict(out=got.tolist(), loop=s.loop, loop_reason=s.loop_reason, decode=s.decode,
                          reason=s.decode_reason, forwards=s.forwards, extra=s.extra_forwards,
-                         reused=s.loop_reused, attention=s.attention, fused=s.fused_projections)
+                         reused=s.loop_reused, attention=s.attention, fused=s.fused_projections,
+                         prefill=s.prefill, prefill_reason=s.prefill_reason)
 
     run("eager", decode="eager")
     run("compiled", decode="compiled")
@@ -281,6 +285,27 @@ def _static_loop_batches_rank():
     hf_zero3.release_decode_graphs(engine.module)  # the hook is gone: forget it, compile again
     run("released", decode="compiled")
 
+    # a hook that breaks the graph for a prompt (more than one token) only: the prompt's forward
+    # runs eagerly and says why, the decode steps stay compiled; the failure is remembered until
+    # release; HF_ZERO3_COMPILE_PREFILL=0 keeps the prompt's forward eager without a reason
+    def prompt_breaks(module, args, kwargs):
+        if kwargs["input_ids"].shape[1] > 1:
+            torch._dynamo.graph_break()
+
+    handle = engine.module.register_forward_pre_hook(prompt_breaks, with_kwargs=True)
+    try:
+        run("prompt_hooked", decode="compiled")
+        run("prompt_hooked_again", decode="compiled")
+    finally:
+        handle.remove()
+    hf_zero3.release_decode_graphs(engine.module)
+    run("prompt_released", decode="compiled")
+    os.environ["HF_ZERO3_COMPILE_PREFILL"] = "0"
+    try:
+        run("prompt_eager", decode="compiled")
+    finally:
+        del os.environ["HF_ZERO3_COMPILE_PREFILL"]
+
     # after two training steps DeepSpeed's forward prologue (a hook on the module, so inside the
     # compiled __call__) starts its throughput timer with time.time(), which Dynamo cannot trace:
     # the decode steps run without the engine's prologue/epilogue hooks (TRL's third rollout)
@@ -306,6 +331,7 @@ def batch_results():
 def test_static_loop_left_padded_batch_matches_eager_and_the_reference(batch_results):
     for r in batch_results:
         assert r["compiled"]["loop"] == "hf_zero3" and r["compiled"]["decode"] == "compiled", r["compiled"]
+        assert r["compiled"]["prefill"] == "compiled" and r["eager"]["prefill"] is None, r["compiled"]
         assert r["compiled"]["out"] == r["eager"]["out"] == r["reference"]
         assert r["compiled"]["extra"] == r["eager"]["extra"]
     assert batch_results[0]["compiled"]["forwards"] == batch_results[1]["compiled"]["forwards"]
@@ -367,3 +393,15 @@ def test_a_forward_that_stops_compiling_mid_call_finishes_eagerly(batch_results)
         assert r["hooked_after"]["loop"] == "transformers" and "does not compile" in r["hooked_after"]["loop_reason"]
         assert r["released"]["loop"] == "hf_zero3" and r["released"]["decode"] == "compiled", r["released"]["reason"]
         assert r["hooked_after"]["out"] == r["released"]["out"] == r["eager"]["out"]
+
+
+def test_a_prompt_forward_that_does_not_compile_runs_eagerly_and_the_steps_stay_compiled(batch_results):
+    for r in batch_results:
+        h, again = r["prompt_hooked"], r["prompt_hooked_again"]
+        for case in (h, again):
+            assert case["loop"] == "hf_zero3" and case["decode"] == "compiled", _fields(case)
+            assert case["prefill"] == "eager" and "does not compile" in case["prefill_reason"], _fields(case)
+            assert case["out"] == r["eager"]["out"]
+        assert r["prompt_released"]["prefill"] == "compiled" and r["prompt_released"]["prefill_reason"] is None
+        assert r["prompt_eager"]["prefill"] == "eager" and r["prompt_eager"]["prefill_reason"] is None
+        assert r["prompt_released"]["out"] == r["prompt_eager"]["out"] == r["eager"]["out"]

@@ -98,15 +98,15 @@ def test_loops_are_kept_per_shape_replaced_when_stale_and_released(parts):
     from hf_zero3.generation import release_decode_graphs
 
     model, cache, ids, cfg = parts
-    first, kept = gd._loop_for(model, ids, [], cfg, [], cache)
-    again, kept_again = gd._loop_for(model, ids, [], cfg, [], cache)
+    first, kept = gd._loop_for(model, ids, [], cfg, None, None, cache)
+    again, kept_again = gd._loop_for(model, ids, [], cfg, None, None, cache)
     assert not kept and kept_again and again is first
     model.train()  # a state the compiled forward guards on: a new loop replaces the stale one
-    other, kept = gd._loop_for(model, ids, [], cfg, [], cache)
+    other, kept = gd._loop_for(model, ids, [], cfg, None, None, cache)
     assert not kept and other is not first and len(gd._LOOPS[model]) == 1
     model.eval()
     for batch in (3, 4, 5):  # other batch sizes: at most KEEP shapes per model
-        gd._loop_for(model, ids[:1].expand(batch, -1), [], cfg, [], cache)
+        gd._loop_for(model, ids[:1].expand(batch, -1), [], cfg, None, None, cache)
     assert len(gd._LOOPS[model]) == gd.KEEP
     release_decode_graphs(model)
     assert model not in gd._LOOPS
