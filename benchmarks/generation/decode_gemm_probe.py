@@ -6,7 +6,9 @@ Shapes of the Llama-3.2-1B decode step (bf16): the fused q/k/v projection [3072 
 and inductor's fused SiLU-mul kernel), down [2048 x 8192]; 8 and 64 rows. Each measurement is a
 CUDA graph of 16 calls over 16 distinct weight copies (so the weights stream from HBM, not L2, as
 in a 16-layer step), replayed 20 times; per call: microseconds and the weights' TB/s. Each Triton
-row is checked against cuBLAS's output (bf16 tolerance) and says so in ``ok``.
+row is checked against cuBLAS's output (bf16 tolerance) and says so in ``ok``. Split-K rows
+(``triton_split``, :data:`~hf_zero3.kernels.decode_gemm.SPLIT_CONFIGS`) time the kernel writing its
+float32 partials; their sum (checked, not timed) is left to the consumer's kernel.
 Run: python benchmarks/generation/decode_gemm_probe.py   (GPU only)
 """
 
@@ -87,6 +89,19 @@ def main():
                 rows.append(dict(shape=name, rows=m, impl="triton", cfg=str(cfg), us=us, tbps=nbytes / us / 1e6,
                                  ok=err <= 0.02 * max(1.0, scale), err=err))
                 print(json.dumps(rows[-1]), flush=True)
+            # split-K: the kernel alone (its float32 partials' sum folds into the consumer's kernel
+            # in a compiled step, so the sum is not timed here; it is checked)
+            for cfg in ([] if pair else [c for c in decode_gemm.SPLIT_CONFIGS if k % (c["SPLIT"] * c["BLOCK_K"]) == 0]):
+                try:
+                    us, outs = timed(lambda x, w, c=cfg: decode_gemm.linear_split(x, w, c), args)
+                except Exception as exc:
+                    rows.append(dict(shape=name, rows=m, impl="triton_split", cfg=str(cfg), us=None, tbps=None,
+                                     ok=f"{type(exc).__name__}: {str(exc)[:120]}"))
+                    continue
+                err = max((a.sum(0) - b.float()).abs().max().item() for a, b in zip(outs, ref))
+                rows.append(dict(shape=name, rows=m, impl="triton_split", cfg=str(cfg), us=us, tbps=nbytes / us / 1e6,
+                                 ok=err <= 0.02 * max(1.0, scale), err=err))
+                print(json.dumps(rows[-1]), flush=True)
         del weights, ups
         torch.cuda.empty_cache()
     path = save("decode_gemm_probe", {"rows": rows, "torch": torch.__version__,  # best: computed below
@@ -96,12 +111,16 @@ def main():
         for m in (8, 64):
             mine = [r for r in rows if r["shape"] == name and r["rows"] == m]
             base = next(r for r in mine if r["impl"] != "triton")
-            tried = [r for r in mine if r["impl"] == "triton" and r["us"] is not None and r["ok"] is True]
-            top = min(tried, key=lambda r: r["us"]) if tried else None
-            best.append(dict(shape=name, rows=m, cublas_us=base["us"], cublas_tbps=base["tbps"],
-                             triton_us=top and top["us"], triton_tbps=top and top["tbps"], cfg=top and top["cfg"],
-                             speedup=top and base["us"] / top["us"]))
-    print(table(best, ["shape", "rows", "cublas_us", "cublas_tbps", "triton_us", "triton_tbps", "speedup", "cfg"]))
+            for impl in ("triton", "triton_split"):
+                tried = [r for r in mine if r["impl"] == impl and r["us"] is not None and r["ok"] is True]
+                top = min(tried, key=lambda r: r["us"]) if tried else None
+                if top is None and impl == "triton_split":
+                    continue
+                best.append(dict(shape=name, rows=m, impl=impl, cublas_us=base["us"], cublas_tbps=base["tbps"],
+                                 triton_us=top and top["us"], triton_tbps=top and top["tbps"], cfg=top and top["cfg"],
+                                 speedup=top and base["us"] / top["us"]))
+    print(table(best, ["shape", "rows", "impl", "cublas_us", "cublas_tbps", "triton_us", "triton_tbps", "speedup",
+                       "cfg"]))
     print(f"raw numbers: {path}")
 
 

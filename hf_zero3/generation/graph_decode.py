@@ -249,7 +249,9 @@ def _prefill(model, input_ids, mask, positions, cache) -> tuple[torch.Tensor, st
     if prefill_enabled() and model not in _PREFILL_FAILED:
         dims = {}
         for name in ("input_ids", "attention_mask", "position_ids"):
-            t = kwargs[name].view(kwargs[name].shape)  # a view: the mark stays off the caller's tensor
+            # contiguous (a sliced prompt's row stride is not its length: Dynamo would guard on
+            # that and compile again) and a new view, so the mark stays off the caller's tensor
+            t = kwargs[name].contiguous().view(kwargs[name].shape)
             if t.shape[1] > 1:
                 torch._dynamo.maybe_mark_dynamic(t, 1)
             dims[name] = t

@@ -42,3 +42,19 @@ def gate_up_kernel(X, WG, WU, O, M, N, sxm, swn, som, K: tl.constexpr,
     act = (g / (1.0 + tl.exp(-g))).to(O.dtype.element_ty).to(tl.float32)
     tl.store(O + rm[:, None] * som + rn[None, :], (act * u).to(O.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def linear_split_kernel(X, W, P, M, N, sxm, swn, spk, spm, K: tl.constexpr, SPLIT: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Split-K ``x @ W.T``: program (n, s) reduces the s-th of ``SPLIT`` equal slices of the
+    reduction and writes its float32 partial sum to ``P[s]`` (the consumer sums them)."""
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    k0 = tl.program_id(1) * (K // SPLIT)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in range(0, K // SPLIT, BLOCK_K):
+        acc += tl.dot(tile(X, rm, sxm, k0 + k, rk, M, K), tl.trans(tile(W, rn, swn, k0 + k, rk, N, K)))
+    tl.store(P + tl.program_id(1) * spk + rm[:, None] * spm + rn[None, :], acc,
+             mask=(rm[:, None] < M) & (rn[None, :] < N))

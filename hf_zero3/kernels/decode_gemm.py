@@ -21,7 +21,8 @@ import torch
 
 from . import _triton
 
-__all__ = ["is_available", "load", "linear", "gate_up_silu", "DEFAULT", "CONFIGS", "MAX_ROWS"]
+__all__ = ["is_available", "load", "linear", "gate_up_silu", "linear_split", "DEFAULT", "CONFIGS", "SPLIT_CONFIGS",
+           "MAX_ROWS"]
 
 DEFAULT = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
 # the launch configurations the probe and autotuning try (each fits an H100/H200 SM's shared memory)
@@ -29,6 +30,12 @@ CONFIGS = [dict(BLOCK_N=bn, BLOCK_K=bk, num_stages=st, num_warps=w) for bn, bk, 
     (16, 128, 4, 4), (16, 256, 3, 4), (32, 128, 4, 4), (32, 256, 3, 4), (32, 128, 5, 4), (64, 128, 4, 4),
     (64, 64, 5, 4), (32, 128, 4, 8), (16, 512, 2, 4), (64, 128, 3, 4), (64, 64, 4, 8),
     (128, 64, 4, 8)]]
+# split-K launches (SPLIT slices of the reduction, each a whole number of BLOCK_K): more programs
+# for weights with few output columns (o_proj, down) at the cost of float32 partials
+SPLIT_CONFIGS = [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT=sp, num_stages=st, num_warps=w) for bn, bk, sp, st, w in [
+    (64, 128, 4, 4, 4), (32, 128, 4, 4, 4), (64, 256, 4, 3, 4), (32, 256, 2, 3, 4), (64, 128, 8, 4, 4),
+    (128, 128, 4, 3, 8), (32, 128, 8, 4, 4), (32, 128, 2, 4, 4), (16, 128, 2, 4, 4), (16, 256, 2, 3, 4),
+    (32, 64, 4, 4, 4), (64, 64, 8, 4, 4)]]
 MAX_ROWS = 64
 _state: dict = {}
 
@@ -43,7 +50,7 @@ def _kernels():
     if "kernels" not in _state:
         from . import _decode_gemm_triton as k
 
-        _state["kernels"] = (k.linear_kernel, k.gate_up_kernel)
+        _state["kernels"] = (k.linear_kernel, k.gate_up_kernel, k.linear_split_kernel)
     return _state["kernels"]
 
 
@@ -74,6 +81,26 @@ def gate_up_silu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, cfg: dic
     return _call(_kernels()[1], x, (gate, up), cfg or DEFAULT)
 
 
+def linear_split(x: torch.Tensor, weight: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """Split-K ``x @ weight.T`` as float32 partials ``[SPLIT, rows, N]`` (their sum is the product;
+    in a compiled step inductor folds the sum into the consumer's kernel), one launch
+    configuration; the reduction length must be a multiple of ``SPLIT * BLOCK_K``."""
+    import triton
+
+    m, k = x.shape
+    n = weight.shape[0]
+    split = cfg["SPLIT"]
+    if k % (split * cfg["BLOCK_K"]):
+        raise ValueError(f"split-K needs the reduction ({k}) to be a multiple of SPLIT * BLOCK_K "
+                         f"({split} * {cfg['BLOCK_K']})")
+    out = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    meta = {key: v for key, v in cfg.items()}
+    _triton.launcher(_kernels()[2])[(triton.cdiv(n, cfg["BLOCK_N"]), split)](
+        x, weight, out, m, n, x.stride(0), weight.stride(0), out.stride(0), out.stride(1), K=k,
+        BLOCK_M=max(16, triton.next_power_of_2(m)), **meta)
+    return out
+
+
 def load():
     """The two ops, ``(linear, gate_up_silu)``, autotuned over :data:`CONFIGS` per shape on the GPU
     (one fixed configuration under Triton's interpreter), registered through
@@ -95,7 +122,7 @@ def load():
 def _ops():
     import triton
 
-    linear_kernel, gate_up_kernel = _kernels()
+    linear_kernel, gate_up_kernel, _ = _kernels()
     if _triton.interpreted():
         tuned_linear, tuned_gate_up, fixed = linear_kernel, gate_up_kernel, DEFAULT
     else:

@@ -228,10 +228,13 @@ def _static_loop_batches_rank():
         out[name] = dict(out=got.tolist(), loop=s.loop, loop_reason=s.loop_reason, decode=s.decode,
                          reason=s.decode_reason, forwards=s.forwards, extra=s.extra_forwards,
                          reused=s.loop_reused, attention=s.attention, fused=s.fused_projections,
-                         prefill=s.prefill, prefill_reason=s.prefill_reason)
+                         prefill=s.prefill, prefill_reason=s.prefill_reason, compiles=s.compiles)
 
     run("eager", decode="eager")
     run("compiled", decode="compiled")
+    # the same prompts sliced from a wider tensor (row stride != length, as a prompt cut from a
+    # longer batch): the compiled prompt forward does not compile again
+    run("sliced", decode="compiled", input_ids=torch.cat([ids, ids[:, :3]], 1)[:, :-3])
     with torch.no_grad():
         out["reference"] = ref.generate(**gen).tolist()
     sampling = dict(do_sample=True, top_k=12, top_p=0.9, temperature=0.8)
@@ -332,6 +335,7 @@ def test_static_loop_left_padded_batch_matches_eager_and_the_reference(batch_res
     for r in batch_results:
         assert r["compiled"]["loop"] == "hf_zero3" and r["compiled"]["decode"] == "compiled", r["compiled"]
         assert r["compiled"]["prefill"] == "compiled" and r["eager"]["prefill"] is None, r["compiled"]
+        assert r["sliced"]["out"] == r["compiled"]["out"] and r["sliced"]["compiles"] == 0, _fields(r["sliced"])
         assert r["compiled"]["out"] == r["eager"]["out"] == r["reference"]
         assert r["compiled"]["extra"] == r["eager"]["extra"]
     assert batch_results[0]["compiled"]["forwards"] == batch_results[1]["compiled"]["forwards"]

@@ -28,6 +28,21 @@ def test_kernels_equal_f_linear(rows, n, k):
         torch.testing.assert_close(decode_gemm.linear(x, w, cfg), F.linear(x, w), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows,n,k,cfg", [(3, 40, 256, dict(BLOCK_N=16, BLOCK_K=64, SPLIT=4)),
+                                          (64, 48, 512, dict(BLOCK_N=32, BLOCK_K=128, SPLIT=2)),
+                                          (17, 33, 128, dict(BLOCK_N=16, BLOCK_K=32, SPLIT=4))])
+def test_split_k_partials_sum_to_f_linear(rows, n, k, cfg):
+    from hf_zero3.kernels import decode_gemm
+
+    g = torch.Generator().manual_seed(k)
+    x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+    parts = decode_gemm.linear_split(x, w, cfg)
+    assert parts.shape == (cfg["SPLIT"], rows, n) and parts.dtype == torch.float32
+    torch.testing.assert_close(parts.sum(0), F.linear(x, w), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="multiple of SPLIT"):
+        decode_gemm.linear_split(x, w, dict(cfg, SPLIT=3))
+
+
 def test_a_llama_mlp_through_the_kernels_equals_its_own_forward():
     from hf_zero3.generation import decode_mlp
     from hf_zero3.testing import models
