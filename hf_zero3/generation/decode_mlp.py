@@ -1,18 +1,25 @@
 """A decode step's SiLU MLP (``down(silu(gate(x)) * up(x))``) with its gate/up half as one Triton
-kernel.
+kernel, and its down projection and the attention's output projection as split-K Triton GEMMs.
 
 Under ``torch.compile`` a Llama-style MLP at decode shapes is three cuBLAS GEMMs and inductor's
 SiLU-mul kernel; on one H200 (Llama-3.2-1B shape) the gate and up GEMMs read their weights at
 2.6-2.9 TB/s. Here the gate/up pair is one kernel that reads both weights' slices in one pass and
 writes the product (:mod:`hf_zero3.kernels.decode_gemm`, autotuned per shape on the GPU): 19.9 vs
-25.8 us at 64 rows, 18.3 vs 23.1 at 8 (``benchmarks/generation/decode_gemm_probe.py``). The down
-projection keeps cuBLAS, which was faster there (14.4 vs 19.8 us).
+25.8 us at 64 rows, 18.3 vs 23.1 at 8 (``benchmarks/generation/decode_gemm_probe.py``). Down
+(2048 output columns over an 8192 reduction) and ``o_proj`` (2048 over 2048) give a kernel with one
+program per output slice too few programs; split four ways along the reduction they beat cuBLAS
+(down 12.0 vs 14.4 us at 64 rows, 11.0 vs 13.7 at 8; o_proj 5.5 vs 6.4 and 4.7 vs 6.2), and
+their float32 partials' sum (with the cast to the model's dtype) folds into the kernel that
+consumes them (the residual add and the next norm): no reduction kernel of its own, where
+cuBLAS's split-K down launches one.
 
 hf_zero3's static loop uses it for its decode steps only (at most 64 rows), on CUDA, for MLP
 modules of the classes below whose three projections are plain bias-free ``nn.Linear`` layers
 with a SiLU activation, without hooks or patched forwards (a LoRA layer, a quantized linear keep
-the model's own MLP). It reads the gathered weights in place: no copy. ``HF_ZERO3_TRITON_MLP=0``
-turns it off (read when a decode loop is built).
+the model's own MLP), and for the plain bias-free ``o_proj`` layers of attention modules. It reads
+the gathered weights in place: no copy. ``HF_ZERO3_TRITON_MLP=0`` turns all of it off,
+``HF_ZERO3_SPLIT_K=0`` the split-K GEMMs only (down back to cuBLAS); both read when a decode loop
+is built.
 """
 
 from __future__ import annotations
@@ -22,19 +29,29 @@ import os
 import weakref
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import decode_gemm
 
-__all__ = ["CLASSES", "enabled", "plan", "bind", "use", "applies"]
+__all__ = ["CLASSES", "enabled", "split_enabled", "plan", "bind", "use", "applies", "applies_split"]
 
 # MLP classes whose forward is down_proj(act_fn(gate_proj(x)) * up_proj(x))
 CLASSES = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
 _FORWARDS: "weakref.WeakKeyDictionary[nn.Module, object]" = weakref.WeakKeyDictionary()
 
 
+def _on(name: str) -> bool:
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def enabled() -> bool:
-    return os.environ.get("HF_ZERO3_TRITON_MLP", "1").strip().lower() not in ("0", "false", "no", "off")
+    return _on("HF_ZERO3_TRITON_MLP")
+
+
+def split_enabled() -> bool:
+    """Down and ``o_proj`` through the split-K kernel (``HF_ZERO3_SPLIT_K=0``: cuBLAS)."""
+    return enabled() and _on("HF_ZERO3_SPLIT_K")
 
 
 def _plain_linear(m) -> bool:
@@ -58,58 +75,110 @@ def applies(mlp: nn.Module) -> bool:
             and down.in_features == gate.out_features and ws[0].dtype in (torch.float16, torch.bfloat16))
 
 
+def applies_split(name: str, m: nn.Module) -> bool:
+    """``m`` (named ``name``) is an attention module's plain bias-free half-precision ``o_proj``
+    with a reduction long enough to split."""
+    return (name.rsplit(".", 1)[-1] == "o_proj" and _plain_linear(m)
+            and m.weight.dtype in (torch.float16, torch.bfloat16) and decode_gemm.split_for(m.in_features) > 1)
+
+
 def plan(model: nn.Module, device) -> tuple[str, ...]:
-    """Names of ``model``'s MLP modules the decode steps run through the kernels (none off CUDA,
-    without Triton, or with ``HF_ZERO3_TRITON_MLP=0``); builds the kernels, outside any trace."""
+    """Names of ``model``'s modules the decode steps run through the kernels: the MLPs, and the
+    ``o_proj`` layers with split-K on (none off CUDA, without Triton, or with
+    ``HF_ZERO3_TRITON_MLP=0``); builds the kernels, outside any trace."""
     if not enabled() or torch.device(device).type != "cuda" or decode_gemm.load() is None:
         return ()
-    return tuple(name for name, m in model.named_modules() if applies(m))
+    split = split_enabled()
+    return tuple(name for name, m in model.named_modules() if applies(m) or (split and applies_split(name, m)))
 
 
-def _forward(mlp: nn.Module):
+def _split(op, x2d: torch.Tensor, weight: torch.Tensor, slices: int) -> torch.Tensor:
+    """``x2d @ weight.T`` through the split-K ``op``: the partials' sum, in the model's dtype (as a
+    GEMM rounds its float32 accumulator once)."""
+    return op(x2d, weight, slices).sum(0).to(x2d.dtype)
+
+
+def _fits(rows: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (rows.shape[0] <= decode_gemm.MAX_ROWS and rows.is_contiguous() and x.dtype == weight.dtype
+            and not torch.is_autocast_enabled(x.device.type))
+
+
+def _forward(mlp: nn.Module, split: bool):
     # the projections and the activation, not the MLP: the forward (kept per MLP in a weak
     # dictionary) must not hold its own key alive
     gate, up, down, act = mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn
-    _, gate_up_silu = decode_gemm.load()
+    _, gate_up_silu, split_op = decode_gemm.load()  # outside the trace, as the loop plans
+    slices = decode_gemm.split_for(down.in_features) if split else 1
 
     def forward(x):
         rows = x.reshape(-1, x.shape[-1])
-        if (rows.shape[0] > decode_gemm.MAX_ROWS or not rows.is_contiguous() or x.dtype != gate.weight.dtype
-                or torch.is_autocast_enabled(x.device.type)):
+        if not _fits(rows, x, gate.weight):
             return down(act(gate(x)) * up(x))  # the model's own computation (and autocast's casts)
-        # down stays the model's (cuBLAS): a 2048-column output gives the narrow-slice kernel too
-        # few programs (1xH200: 19.8 vs 14.4 us at 64 rows, decode_gemm_probe.py)
-        return down(gate_up_silu(rows, gate.weight, up.weight)).view(*x.shape[:-1], down.out_features)
+        h = gate_up_silu(rows, gate.weight, up.weight)
+        out = _split(split_op, h, down.weight, slices) if slices > 1 else down(h)
+        return out.view(*x.shape[:-1], down.out_features)
 
     return forward
 
 
+def _split_forward(linear: nn.Linear):
+    # the weight, not the layer: the forward (kept per layer in a weak dictionary) must not hold
+    # its own key alive; ZeRO-3 gathers into this same Parameter
+    weight, n = linear.weight, linear.out_features
+    split_op, slices = decode_gemm.load()[2], decode_gemm.split_for(linear.in_features)
+
+    def forward(x):
+        rows = x.reshape(-1, x.shape[-1])
+        if not _fits(rows, x, weight):
+            return F.linear(x, weight)  # the layer's own computation (plain: no bias)
+        return _split(split_op, rows, weight, slices).view(*x.shape[:-1], n)
+
+    return forward
+
+
+def _parts(m: nn.Module) -> tuple:
+    """What a kept forward of ``m`` closes over (a new one is made when any of it was replaced)."""
+    if isinstance(m, nn.Linear):
+        return (m.weight,)
+    return (m.gate_proj, m.up_proj, m.down_proj, m.act_fn)
+
+
 def bind(model: nn.Module, names: tuple[str, ...]) -> list[nn.Module]:
-    """The named MLP modules (:func:`plan`) that still apply, once per call (the decode steps then
+    """The named modules (:func:`plan`) that still apply, once per call (the decode steps then
     patch only these)."""
     bound = []
     for name in names:
         try:
-            mlp = model.get_submodule(name)
+            m = model.get_submodule(name)
         except AttributeError:  # the model changed since the plan
             continue
-        if applies(mlp):
-            bound.append(mlp)
+        if applies(m) or applies_split(name, m):
+            bound.append(m)
     return bound
 
 
+def counts(modules: list[nn.Module], split: bool) -> tuple[int, int]:
+    """(MLPs, projections through split-K) among ``modules`` (:func:`bind`'s), for the stats."""
+    mlps = [m for m in modules if not isinstance(m, nn.Linear)]
+    downs = sum(1 for m in mlps if decode_gemm.split_for(m.down_proj.in_features) > 1) if split else 0
+    return len(mlps), len(modules) - len(mlps) + downs
+
+
 @contextlib.contextmanager
-def use(mlps: list[nn.Module]):
-    """Inside: ``mlps`` (:func:`bind`) run through the kernels."""
+def use(modules: list[nn.Module], split: bool):
+    """Inside: ``modules`` (:func:`bind`) run through the kernels (``split``: down through the
+    split-K kernel too, as the loop was planned)."""
     patched = []
     try:
-        for mlp in mlps:
-            fn = _FORWARDS.get(mlp)
-            if fn is None:
-                fn = _FORWARDS[mlp] = _forward(mlp)
-            mlp.forward = fn
-            patched.append(mlp)
+        for m in modules:
+            kept = _FORWARDS.setdefault(m, {})
+            parts = _parts(m)
+            entry = kept.get(split)
+            if entry is None or len(entry[0]) != len(parts) or any(a is not b for a, b in zip(entry[0], parts)):
+                entry = kept[split] = (parts, _split_forward(m) if isinstance(m, nn.Linear) else _forward(m, split))
+            m.forward = entry[1]
+            patched.append(m)
         yield
     finally:
-        for mlp in patched:
-            vars(mlp).pop("forward", None)
+        for m in patched:
+            vars(m).pop("forward", None)

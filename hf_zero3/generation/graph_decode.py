@@ -279,7 +279,7 @@ class _Loop:
     place and :meth:`end` drops the call's objects (the model among them: a kept loop holds none)."""
 
     def __init__(self, batch: int, length: int, device, eos: torch.Tensor | None, sample: bool,
-                 attention: str | None, fused: tuple[str, ...] = (), mlp: tuple[str, ...] = ()):
+                 attention: str | None, fused: tuple[str, ...] = (), mlp: tuple[str, ...] = (), split: bool = False):
         self.mask = torch.ones(batch, length, dtype=torch.long, device=device)
         self.pos = torch.zeros(batch, dtype=torch.long, device=device)
         self.tok = torch.zeros(batch, dtype=torch.long, device=device)
@@ -294,9 +294,10 @@ class _Loop:
         self.attention = attention  # the decode_attention the steps attend with (None: the model's own)
         self.fused = fused_projections.Fused(fused)  # attention modules whose q/k/v run as one GEMM
         self.fused_layers = 0
-        self.mlp = mlp  # names of the MLP modules the decode steps run through decode_mlp's kernels
-        self.mlp_bound: list = []  # this call's MLP modules that still apply (decode_mlp.bind)
-        self.mlp_layers = 0  # how many, for the call's stats (the modules are dropped at its end)
+        self.mlp = mlp  # names of the modules the decode steps run through decode_mlp's kernels
+        self.split = split  # down through decode_mlp's split-K kernel too (o_proj layers are in mlp then)
+        self.mlp_bound: list = []  # this call's modules that still apply (decode_mlp.bind)
+        self.mlp_layers = self.split_layers = 0  # MLPs, split-K projections: the call's stats
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # steps per graph -> graph
         self.cache_ptrs = None  # the cache tensors the graphs were captured with
         self.cache_small = None  # per layer, its small tensors (length counters) the graphs read
@@ -370,7 +371,7 @@ class _Loop:
         kwargs = dict(input_ids=self.tok.view(-1, 1), attention_mask=self.mask, position_ids=self.pos.view(-1, 1),
                       past_key_values=self.cache, use_cache=True, **self.extra)
         with (decode_attention.use(self.model, self.attention), self.fused.use(),
-              decode_mlp.use(self.mlp_bound),
+              decode_mlp.use(self.mlp_bound, self.split),
               hf_up.input_grad_hooks_suspended(self.model), ds_up.engine_forward_hooks_suspended(self.model)):
             try:
                 out = self.call(self.model, **kwargs)
@@ -480,7 +481,7 @@ def _loop_key(model, input_ids, processors, generation_config, eos_key, cache,
     dev = input_ids.device
     shape = (type(model), input_ids.shape[0], _cache_length(cache), str(dev), bool(generation_config.do_sample),
              tuple(procs), eos_key,
-             attention, decode_mlp.enabled())
+             attention, decode_mlp.enabled(), decode_mlp.split_enabled())
     params = list(model.parameters())
     where = (tuple(t.data_ptr() for t in params), tuple(t.data_ptr() for t in model.buffers()),
              tuple(t.dtype for t in params), torch.is_autocast_enabled(dev.type),
@@ -501,7 +502,8 @@ def _loop_for(model, input_ids, processors, generation_config, eos, eos_key, cac
             kept.move_to_end(key[0])
             return entry[1], True
     loop = _Loop(input_ids.shape[0], _cache_length(cache), input_ids.device, eos, bool(generation_config.do_sample),
-                 attention, fused_projections.plan(model), decode_mlp.plan(model, input_ids.device))
+                 attention, fused_projections.plan(model), decode_mlp.plan(model, input_ids.device),
+                 decode_mlp.split_enabled())
     if key is not None:
         kept[key[0]] = (key[1], loop)
         kept.move_to_end(key[0])
@@ -618,7 +620,7 @@ def decode(model, call, input_ids, logits_processor, stopping_criteria, generati
         # hold the copy) and before the check of what the graphs were captured with
         loop.fused_layers = loop.fused.bind(model)
         loop.mlp_bound = decode_mlp.bind(model, loop.mlp)
-        loop.mlp_layers = len(loop.mlp_bound)
+        loop.mlp_layers, loop.split_layers = decode_mlp.counts(loop.mlp_bound, loop.split)
         loop.bind_cache()
         every, fixed = call.cfg.sync_every, call.cfg.stop == "fixed"
         tokens = 1  # the prefill chose token 1; before forward k + 1 the loop asks to go on (k = tokens)
@@ -639,5 +641,5 @@ def decode(model, call, input_ids, logits_processor, stopping_criteria, generati
     call.finish_loop(tokens, done_at, compiled=loop.compiled, graph_steps=runner.graph_steps,
                      capture_s=runner.capture_s, loop_reused=kept, graphs_reused=runner.reused,
                      attention=loop.attention, fused_projections=loop.fused_layers,
-                     mlp_kernels=loop.mlp_layers, prefill=prefill, prefill_reason=_PREFILL_FAILED.get(model))
+                     mlp_kernels=loop.mlp_layers, split_k=loop.split_layers, prefill=prefill, prefill_reason=_PREFILL_FAILED.get(model))
     return out

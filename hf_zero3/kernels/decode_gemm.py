@@ -21,8 +21,8 @@ import torch
 
 from . import _triton
 
-__all__ = ["is_available", "load", "linear", "gate_up_silu", "linear_split", "DEFAULT", "CONFIGS", "SPLIT_CONFIGS",
-           "MAX_ROWS"]
+__all__ = ["is_available", "load", "linear", "gate_up_silu", "linear_split", "split_for", "DEFAULT", "CONFIGS",
+           "SPLIT_CONFIGS", "MAX_ROWS"]
 
 DEFAULT = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
 # the launch configurations the probe and autotuning try (each fits an H100/H200 SM's shared memory)
@@ -81,28 +81,50 @@ def gate_up_silu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, cfg: dic
     return _call(_kernels()[1], x, (gate, up), cfg or DEFAULT)
 
 
-def linear_split(x: torch.Tensor, weight: torch.Tensor, cfg: dict) -> torch.Tensor:
-    """Split-K ``x @ weight.T`` as float32 partials ``[SPLIT, rows, N]`` (their sum is the product;
-    in a compiled step inductor folds the sum into the consumer's kernel), one launch
-    configuration; the reduction length must be a multiple of ``SPLIT * BLOCK_K``."""
+def _call_split(kernel, x: torch.Tensor, weight: torch.Tensor, split: int, meta: dict) -> torch.Tensor:
+    """Launch the split-K ``kernel``: one program per ``BLOCK_N`` output columns and reduction
+    slice; float32 partials ``[split, rows, N]``."""
     import triton
 
     m, k = x.shape
     n = weight.shape[0]
-    split = cfg["SPLIT"]
-    if k % (split * cfg["BLOCK_K"]):
-        raise ValueError(f"split-K needs the reduction ({k}) to be a multiple of SPLIT * BLOCK_K "
-                         f"({split} * {cfg['BLOCK_K']})")
     out = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    meta = {key: v for key, v in cfg.items()}
-    _triton.launcher(_kernels()[2])[(triton.cdiv(n, cfg["BLOCK_N"]), split)](
-        x, weight, out, m, n, x.stride(0), weight.stride(0), out.stride(0), out.stride(1), K=k,
-        BLOCK_M=max(16, triton.next_power_of_2(m)), **meta)
+    grid = (triton.cdiv(n, meta["BLOCK_N"]), split) if meta else (lambda cfg: (triton.cdiv(n, cfg["BLOCK_N"]), split))
+    _triton.launcher(kernel)[grid](x, weight, out, m, n, x.stride(0), weight.stride(0), out.stride(0), out.stride(1),
+                                   K=k, SPLIT=split, BLOCK_M=max(16, triton.next_power_of_2(m)), **meta)
     return out
 
 
+def linear_split(x: torch.Tensor, weight: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """Split-K ``x @ weight.T`` as float32 partials ``[SPLIT, rows, N]`` (their sum is the product;
+    in a compiled step inductor folds the sum into the consumer's kernel), one launch
+    configuration; the reduction length must be a multiple of ``SPLIT * BLOCK_K``."""
+    k = x.shape[1]
+    if k % (cfg["SPLIT"] * cfg["BLOCK_K"]):
+        raise ValueError(f"split-K needs the reduction ({k}) to be a multiple of SPLIT * BLOCK_K "
+                         f"({cfg['SPLIT']} * {cfg['BLOCK_K']})")
+    return _call_split(_kernels()[2], x, weight, cfg["SPLIT"], {key: v for key, v in cfg.items() if key != "SPLIT"})
+
+
+def split_for(k: int) -> int:
+    """The reduction slices :func:`load`'s split-K op takes for a reduction of ``k``: four from 2048
+    (the probe's fastest for down, 8192, and o_proj, 2048, at 8 and 64 rows on one H200), two from
+    1024, else 1 (too short to split); each slice a multiple of 64."""
+    for split, least in ((4, 2048), (2, 1024)):
+        if k >= least and k % (split * 64) == 0:
+            return split
+    return 1
+
+
+def _split_prune(configs, named_args, **kwargs):
+    k, split = kwargs.get("K", named_args.get("K")), kwargs.get("SPLIT", named_args.get("SPLIT"))
+    kept = [c for c in configs if k % (split * c.kwargs["BLOCK_K"]) == 0]
+    return kept or configs[:1]
+
+
 def load():
-    """The two ops, ``(linear, gate_up_silu)``, autotuned over :data:`CONFIGS` per shape on the GPU
+    """The ops ``(linear, gate_up_silu, linear_split)`` (``linear_split(x, w, split)``: float32
+    partials, :func:`split_for` slices), autotuned over :data:`CONFIGS` (:data:`SPLIT_CONFIGS`) per shape on the GPU
     (one fixed configuration under Triton's interpreter), registered through
     ``torch.library.triton_op`` so that ``torch.compile`` traces them; built once, outside any
     trace. None when Triton is missing or the build fails (``_state["error"]`` says why)."""
@@ -122,15 +144,21 @@ def load():
 def _ops():
     import triton
 
-    linear_kernel, gate_up_kernel, _ = _kernels()
+    linear_kernel, gate_up_kernel, split_kernel = _kernels()
     if _triton.interpreted():
-        tuned_linear, tuned_gate_up, fixed = linear_kernel, gate_up_kernel, DEFAULT
+        tuned_linear, tuned_gate_up, tuned_split, fixed = linear_kernel, gate_up_kernel, split_kernel, DEFAULT
+        fixed_split = dict(DEFAULT, BLOCK_K=64)
     else:
         configs = [triton.Config({"BLOCK_N": c["BLOCK_N"], "BLOCK_K": c["BLOCK_K"]}, num_warps=c["num_warps"],
                                  num_stages=c["num_stages"]) for c in CONFIGS]
         tuned_linear = triton.autotune(configs=configs, key=["M", "N", "K"])(linear_kernel)
         tuned_gate_up = triton.autotune(configs=configs, key=["M", "N", "K"])(gate_up_kernel)
-        fixed = {}
+        split_configs = {(c["BLOCK_N"], c["BLOCK_K"], c["num_stages"], c["num_warps"]) for c in SPLIT_CONFIGS}
+        tuned_split = triton.autotune(
+            configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_stages=st, num_warps=w)
+                     for bn, bk, st, w in sorted(split_configs)],
+            key=["M", "N", "K", "SPLIT"], prune_configs_by={"early_config_prune": _split_prune})(split_kernel)
+        fixed = fixed_split = {}
 
     @torch.library.triton_op("hf_zero3::decode_linear", mutates_args=())
     def linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -140,4 +168,8 @@ def _ops():
     def gate_up_op(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return _call(tuned_gate_up, x, (gate, up), fixed)
 
-    return linear_op, gate_up_op
+    @torch.library.triton_op("hf_zero3::decode_linear_split", mutates_args=())
+    def split_op(x: torch.Tensor, weight: torch.Tensor, split: int) -> torch.Tensor:
+        return _call_split(tuned_split, x, weight, split, fixed_split)
+
+    return linear_op, gate_up_op, split_op

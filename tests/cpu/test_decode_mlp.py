@@ -21,9 +21,12 @@ def test_kernels_equal_f_linear(rows, n, k):
 
     g = torch.Generator().manual_seed(rows)
     x, w, u = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, k, generator=g)
-    linear, gate_up_silu = decode_gemm.load()
+    linear, gate_up_silu, split = decode_gemm.load()
     torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(gate_up_silu(x, w, u), F.silu(F.linear(x, w)) * F.linear(x, u), rtol=1e-4, atol=1e-3)
+    parts = split(x, w, decode_gemm.split_for(k))
+    assert parts.shape == (decode_gemm.split_for(k), rows, n)
+    torch.testing.assert_close(parts.sum(0), F.linear(x, w), rtol=1e-4, atol=1e-4)
     for cfg in decode_gemm.CONFIGS[:3]:  # the probe's entry, one launch configuration each
         torch.testing.assert_close(decode_gemm.linear(x, w, cfg), F.linear(x, w), rtol=1e-4, atol=1e-4)
 
@@ -43,19 +46,69 @@ def test_split_k_partials_sum_to_f_linear(rows, n, k, cfg):
         decode_gemm.linear_split(x, w, dict(cfg, SPLIT=3))
 
 
-def test_a_llama_mlp_through_the_kernels_equals_its_own_forward():
+def test_split_for_takes_four_slices_from_2048():
+    from hf_zero3.kernels.decode_gemm import split_for
+
+    assert [split_for(k) for k in (64, 1024, 1088, 2048, 8192, 14336, 3000, 1000)] == [1, 2, 1, 4, 4, 4, 1, 1]
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_llama_mlp_through_the_kernels_equals_its_own_forward(split):
     from hf_zero3.generation import decode_mlp
+    from hf_zero3.kernels import decode_gemm
     from hf_zero3.testing import models
 
-    model = models.plain_model(models.tiny_llama_config())
+    # intermediate 1024: down's reduction splits in two with split-K on
+    model = models.plain_model(models.tiny_llama_config(intermediate_size=1024))
     mlp = model.model.layers[0].mlp
+    assert decode_gemm.split_for(mlp.down_proj.in_features) == 2
     x = torch.randn(5, 1, model.config.hidden_size)
     with torch.no_grad():
         own = mlp(x)
-        ours = decode_mlp._forward(mlp)(x)
+        ours = decode_mlp._forward(mlp, split)(x)
         big = torch.randn(2, 40, model.config.hidden_size)  # a prompt's rows: the model's own computation
-        torch.testing.assert_close(decode_mlp._forward(mlp)(big), mlp(big))
+        torch.testing.assert_close(decode_mlp._forward(mlp, split)(big), mlp(big))
     torch.testing.assert_close(ours, own, rtol=1e-4, atol=1e-5)
+
+
+def test_an_output_projection_through_split_k_equals_its_own_forward():
+    from hf_zero3.generation import decode_mlp
+
+    lin = torch.nn.Linear(1024, 40, bias=False)
+    x = torch.randn(6, 1, 1024)
+    with torch.no_grad():
+        torch.testing.assert_close(decode_mlp._split_forward(lin)(x), lin(x), rtol=1e-4, atol=1e-4)
+        big = torch.randn(2, 40, 1024)  # more rows than a decode step: the layer's own GEMM
+        torch.testing.assert_close(decode_mlp._split_forward(lin)(big), lin(big))
+
+
+def test_which_output_projections_split_and_use_restores_them(monkeypatch):
+    from hf_zero3.generation import decode_mlp
+    from hf_zero3.testing import models
+
+    # o_proj's reduction is heads x head_dim = hidden (1024 here): long enough to split
+    model = models.plain_model(models.tiny_llama_config(hidden_size=1024, num_hidden_layers=1)).to(torch.bfloat16)
+    split = tuple(n for n, m in model.named_modules() if decode_mlp.applies_split(n, m))
+    assert split == ("model.layers.0.self_attn.o_proj",)
+    small = models.plain_model(models.tiny_llama_config()).to(torch.bfloat16)  # 32: too short to split
+    assert not any(decode_mlp.applies_split(n, m) for n, m in small.named_modules())
+    o = model.model.layers[0].self_attn.o_proj
+    handle = o.register_forward_pre_hook(lambda *a: None)
+    assert not decode_mlp.applies_split(split[0], o)  # hooked: its own forward
+    handle.remove()
+    names = split + ("model.layers.0.mlp",)
+    bound = decode_mlp.bind(model, names)
+    assert bound == [o, model.model.layers[0].mlp]
+    assert decode_mlp.counts(bound, True) == (1, 1) and decode_mlp.counts(bound, False) == (1, 1)
+    with decode_mlp.use(bound, True):
+        first = o.forward
+    with decode_mlp.use(bound, True):
+        assert o.forward is first  # kept: a compiled step's guard on it holds
+    assert "forward" not in vars(o)
+    monkeypatch.setenv("HF_ZERO3_SPLIT_K", "0")
+    assert decode_mlp.enabled() and not decode_mlp.split_enabled()
+    monkeypatch.setenv("HF_ZERO3_TRITON_MLP", "0")
+    assert not decode_mlp.split_enabled()
 
 
 def test_which_mlps_it_takes_and_use_restores_them(monkeypatch):
@@ -85,7 +138,7 @@ def test_which_mlps_it_takes_and_use_restores_them(monkeypatch):
     bound = decode_mlp.bind(model, names)
     assert len(bound) == 2 and bound[0] is mlp
     with pytest.raises(RuntimeError, match="inside"):
-        with decode_mlp.use(bound):
+        with decode_mlp.use(bound, False):
             assert "forward" in vars(mlp)
             raise RuntimeError("inside")
     assert "forward" not in vars(mlp)
@@ -98,7 +151,7 @@ def test_autocast_keeps_the_models_computation():
 
     model = models.plain_model(models.tiny_llama_config())
     mlp = model.model.layers[0].mlp
-    fn = decode_mlp._forward(mlp)
+    fn = decode_mlp._forward(mlp, True)
     y = torch.randn(3, 1, model.config.hidden_size)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         ours, own = fn(y), mlp(y)
