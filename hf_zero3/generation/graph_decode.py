@@ -29,11 +29,14 @@ a training step); when anything moved, the call captures anew. Kept graphs hold 
 (one decode step's temporaries) until :func:`release` (``hf_zero3.release_decode_graphs``).
 Grouped-query models decode with :mod:`.decode_attention` (the KV cache read once per step, not
 once per query head; on CUDA one Triton kernel per layer where it pays), Llama-style SiLU MLPs
-with :mod:`.decode_mlp` (the gate/up pair as one Triton kernel, CUDA), and the decode steps run
+with :mod:`.decode_mlp` (the gate/up pair as one Triton kernel, down and ``o_proj`` split-K, CUDA), and the decode steps run
 DeepSpeed's forward prologue/epilogue hooks and gradient checkpointing's input-require-grads hook
-off (nothing for them to do in a gathered region under ``no_grad``). The prompt's forward runs
-without DeepSpeed's per-linear autograd Function (``_upstream.deepspeed``), and greedy steps
-without processors take the argmax of the model's logits without a float32 copy (the same token).
+off (nothing for them to do in a gathered region under ``no_grad``). The prompt's forward is
+compiled too (its own function, the prompt length dynamic: one graph per batch size for every
+prompt length; eager, without DeepSpeed's per-linear autograd Function, where it does not compile
+or with ``HF_ZERO3_COMPILE_PREFILL=0``) and queued before the loop is looked up, so that host work
+overlaps it. Greedy steps without processors end in one compiled tail (the argmax of the model's
+logits, the same token as their float32 copy's, EOS masking and the token bookkeeping).
 
 It runs only where it is exact; anything else decodes through transformers (compiled or eager),
 with the reason in ``hf_zero3_last_generate.loop_reason``: logits processors or stopping criteria
