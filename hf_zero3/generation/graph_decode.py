@@ -36,7 +36,8 @@ compiled too (its own function, the prompt length dynamic: one graph per batch s
 prompt length; eager, without DeepSpeed's per-linear autograd Function, where it does not compile
 or with ``HF_ZERO3_COMPILE_PREFILL=0``) and queued before the loop is looked up, so that host work
 overlaps it. Greedy steps without processors end in one compiled tail (the argmax of the model's
-logits, the same token as their float32 copy's, EOS masking and the token bookkeeping).
+logits in two stages, the same token as their float32 copy's; EOS masking and the token
+bookkeeping).
 
 It runs only where it is exact; anything else decodes through transformers (compiled or eager),
 with the reason in ``hf_zero3_last_generate.loop_reason``: logits processors or stopping criteria
