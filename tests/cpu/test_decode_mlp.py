@@ -157,3 +157,13 @@ def test_autocast_keeps_the_models_computation():
         ours, own = fn(y), mlp(y)
     assert ours.dtype == own.dtype == torch.bfloat16  # autocast's computation, not the float32 kernel's
     torch.testing.assert_close(ours, own, rtol=0, atol=0)
+
+
+def test_split_k_autotuning_keeps_only_configurations_whose_block_divides_a_slice():
+    from hf_zero3.kernels import decode_gemm
+
+    configs = [triton.Config({"BLOCK_N": 32, "BLOCK_K": bk}) for bk in (64, 128, 256)]
+    # 2816 = 4 slices of 704: only BLOCK_K 64 divides them; 8192 = 4 of 2048: all three
+    assert [c.kwargs["BLOCK_K"] for c in decode_gemm._split_prune(configs, {}, K=2816, SPLIT=4)] == [64]
+    assert len(decode_gemm._split_prune(configs, {}, K=8192, SPLIT=4)) == 3
+    assert decode_gemm._split_prune(configs, {"K": 96, "SPLIT": 2}) == []  # Triton then raises, no wrong sum
