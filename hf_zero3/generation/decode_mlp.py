@@ -25,7 +25,6 @@ is built.
 from __future__ import annotations
 
 import contextlib
-import os
 import weakref
 
 import torch
@@ -33,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import decode_gemm
+from . import _switch
 
 __all__ = ["CLASSES", "enabled", "split_enabled", "plan", "bind", "use", "applies", "applies_split"]
 
@@ -41,17 +41,13 @@ CLASSES = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
 _FORWARDS: "weakref.WeakKeyDictionary[nn.Module, object]" = weakref.WeakKeyDictionary()
 
 
-def _on(name: str) -> bool:
-    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
-
-
 def enabled() -> bool:
-    return _on("HF_ZERO3_TRITON_MLP")
+    return _switch.on("HF_ZERO3_TRITON_MLP")
 
 
 def split_enabled() -> bool:
     """Down and ``o_proj`` through the split-K kernel (``HF_ZERO3_SPLIT_K=0``: cuBLAS)."""
-    return enabled() and _on("HF_ZERO3_SPLIT_K")
+    return enabled() and _switch.on("HF_ZERO3_SPLIT_K")
 
 
 def _plain_linear(m) -> bool:

@@ -23,7 +23,6 @@ own projections; the graphs are captured again).
 from __future__ import annotations
 
 import contextlib
-import os
 import weakref
 
 import torch
@@ -31,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..device_memory import read_cuda_memory
+from . import _switch
 
 __all__ = ["NAMES", "plan", "Fused"]
 
@@ -84,7 +84,7 @@ def _fusable(parent: nn.Module) -> bool:
 
 
 def _enabled() -> bool:
-    return os.environ.get("HF_ZERO3_FUSE_QKV", "1").strip().lower() not in ("0", "false", "no", "off")
+    return _switch.on("HF_ZERO3_FUSE_QKV")
 
 
 def plan(model: nn.Module) -> tuple[str, ...]:

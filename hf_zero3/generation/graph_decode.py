@@ -53,7 +53,6 @@ import collections
 import contextlib
 import inspect
 import logging
-import os
 import time
 import weakref
 
@@ -62,7 +61,7 @@ import torch
 from .._upstream import deepspeed as ds_up
 from .._upstream import torch as torch_up
 from .._upstream import transformers as hf_up
-from . import decode_attention, decode_mlp, fused_projections
+from . import _switch, decode_attention, decode_mlp, fused_projections
 
 __all__ = ["GRAPH_SAFE_PROCESSORS", "GRAPH_SAFE_CRITERIA", "unsupported", "decode", "failure", "release"]
 
@@ -180,7 +179,7 @@ def _compiled_call(cls):
 
 def prefill_enabled() -> bool:
     """The prompt's forward is compiled where the decode step is (``HF_ZERO3_COMPILE_PREFILL=0``: eager)."""
-    return os.environ.get("HF_ZERO3_COMPILE_PREFILL", "1").strip().lower() not in ("0", "false", "no", "off")
+    return _switch.on("HF_ZERO3_COMPILE_PREFILL")
 
 
 def _prompt_logits(model, **kwargs):
@@ -191,13 +190,16 @@ def _prompt_logits(model, **kwargs):
     return model(**kwargs).logits[:, -1]
 
 
-_PREFILL: list = []  # the compiled _prompt_logits, built once
+_ONCE: dict = {}  # function -> its torch.compile(fullgraph=True), built at first use
 
 
-def _compiled_prefill():
-    if not _PREFILL:
-        _PREFILL.append(torch.compile(_prompt_logits, fullgraph=True))
-    return _PREFILL[0]
+def _compiled_once(fn):
+    """``fn`` compiled into one graph, built once per process (:func:`_prompt_logits`,
+    :func:`_greedy_tail`: their own code objects, so their own Dynamo caches)."""
+    compiled = _ONCE.get(fn)
+    if compiled is None:
+        compiled = _ONCE[fn] = torch.compile(fn, fullgraph=True)
+    return compiled
 
 
 def _record_token(nxt, unfinished, pad, eos, out, idx, own, alive, tok, pos) -> None:
@@ -238,15 +240,6 @@ def _greedy_tail(logits, *buffers) -> None:
     _record_token(_argmax_rows(logits), *buffers)
 
 
-_TAIL: list = []  # the compiled _greedy_tail, built once
-
-
-def _compiled_tail():
-    if not _TAIL:
-        _TAIL.append(torch.compile(_greedy_tail, fullgraph=True))
-    return _TAIL[0]
-
-
 def _prompt_inputs(input_ids, model_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """The prompt's padding mask (long) and positions: the caller's, or transformers' from the mask."""
     mask = model_kwargs.get("attention_mask")
@@ -278,7 +271,7 @@ def _prefill(model, input_ids, mask, positions, cache) -> tuple[torch.Tensor, st
         try:
             with (hf_up.input_grad_hooks_suspended(model), ds_up.engine_forward_hooks_suspended(model),
                   torch_up.hook_guards()):
-                return _compiled_prefill()(model, **{**kwargs, **dims}), "compiled"
+                return _compiled_once(_prompt_logits)(model, **{**kwargs, **dims}), "compiled"
         except _COMPILE_ERRORS as exc:
             _PREFILL_FAILED[model] = why = f"the prompt's forward does not compile into one graph ({_why(exc)})"
             log.warning("hf_zero3 lockstep: eager prefill: %s", why)
@@ -381,10 +374,6 @@ class _Loop:
             self.cache_small = [{k: v for k, v in vars(layer).items() if isinstance(v, torch.Tensor) and v.numel() <= _SMALL}
                                 for layer in self.cache.layers]
 
-    def first(self, logits: torch.Tensor) -> None:
-        """The first token, from the prompt's logits (:func:`_prefill`)."""
-        self._choose(logits)
-
     def step(self) -> None:
         """One decode step, in place on the static buffers (the unit a CUDA graph captures); the
         last step's tail (or the prompt's) moved ``pos`` to this step's position."""
@@ -412,7 +401,7 @@ class _Loop:
         if not self.sample and not self.processors:
             if not _TAIL_FAILED:
                 try:
-                    return _compiled_tail()(logits, *buffers)
+                    return _compiled_once(_greedy_tail)(logits, *buffers)
                 except _COMPILE_ERRORS as exc:  # before any kernel ran: the eager tail does the same
                     _TAIL_FAILED.append(_why(exc))
                     log.warning("hf_zero3 lockstep: greedy steps without a compiled tail: %s", _TAIL_FAILED[0])
@@ -635,7 +624,7 @@ def decode(model, call, input_ids, logits_processor, stopping_criteria, generati
         loop.start(model, input_ids, mask, positions, cache, logits_processor, generation_config, stopping_criteria,
                    budget)
         runner = _Runner(loop, graph_steps)
-        loop.first(logits)
+        loop._choose(logits)  # the first token, from the prompt's logits
         # this call's q/k/v weights copied into one buffer, after the prefill (its peak does not
         # hold the copy) and before the check of what the graphs were captured with
         loop.fused_layers = loop.fused.bind(model)
