@@ -6,8 +6,10 @@ with graphs of 8 steps and of 1 step, a stop agreement every 8 steps; and with g
 without the fused q/k/v projections, ``HF_ZERO3_FUSE_QKV=0``, with the PyTorch decode attention
 instead of the Triton kernel, ``HF_ZERO3_TRITON_ATTENTION=0``, or with cuBLAS for the MLP instead
 of hf_zero3's Triton GEMMs, ``HF_ZERO3_TRITON_MLP=0``, with cuBLAS for down and o_proj instead of
-the split-K kernel, ``HF_ZERO3_SPLIT_K=0``, or with the prompt's forward eager,
-``HF_ZERO3_COMPILE_PREFILL=0``), same run, batch 8 and 64, 128 new
+the split-K kernel, ``HF_ZERO3_SPLIT_K=0``, with the prompt's forward eager,
+``HF_ZERO3_COMPILE_PREFILL=0``, with the rotary embedding and the cache write inside the Triton
+attention (opt-in, ``HF_ZERO3_FUSE_ROPE=1``), or with the Triton attention at every
+batch, ``HF_ZERO3_TRITON_ATTENTION=always``), same run, batch 8 and 64, 128 new
 tokens. ``BENCH_CONFIGS`` (comma-separated names) runs a subset; the ratio columns need
 ``hf_eager_gathered`` and ``hf_static_gathered``.
 
@@ -45,11 +47,12 @@ PARTIAL = os.path.join(os.environ.get("OUT", HERE), "decode_partial.jsonl")
 # the slow per-layer baseline last, so that a run cut short still has the main comparison
 ALL_CONFIGS = ("hf_eager_gathered", "hf_static_gathered", "hf_zero3_static_loop", "hf_zero3_graphs", "hf_zero3_graphs1",
                "hf_zero3_graphs_unfused", "hf_zero3_graphs_torch_attention", "hf_zero3_graphs_cublas_mlp", "hf_zero3_graphs_eager_prefill",
-               "hf_zero3_graphs_no_split", "layerwise")
+               "hf_zero3_graphs_no_split", "hf_zero3_graphs_fused_rope", "hf_zero3_graphs_kernel_always", "layerwise")
 CONFIGS = tuple(c for c in os.environ.get("BENCH_CONFIGS", ",".join(ALL_CONFIGS)).split(",") if c)
 GRAPH_STEPS = {"hf_zero3_static_loop": 0, "hf_zero3_graphs": 8, "hf_zero3_graphs1": 1, "hf_zero3_graphs_unfused": 8,
                "hf_zero3_graphs_torch_attention": 8, "hf_zero3_graphs_cublas_mlp": 8,
-               "hf_zero3_graphs_eager_prefill": 8, "hf_zero3_graphs_no_split": 8}
+               "hf_zero3_graphs_eager_prefill": 8, "hf_zero3_graphs_no_split": 8, "hf_zero3_graphs_fused_rope": 8,
+               "hf_zero3_graphs_kernel_always": 8}
 
 
 def rank_main():
@@ -92,10 +95,12 @@ def rank_main():
             times, outs = [], []
             hf_zero3.release_decode_graphs(module)  # each configuration builds its own loop
             os.environ["HF_ZERO3_FUSE_QKV"] = "0" if name == "hf_zero3_graphs_unfused" else "1"
-            os.environ["HF_ZERO3_TRITON_ATTENTION"] = "0" if name == "hf_zero3_graphs_torch_attention" else "1"
+            os.environ["HF_ZERO3_TRITON_ATTENTION"] = {"hf_zero3_graphs_torch_attention": "0",
+                                                       "hf_zero3_graphs_kernel_always": "always"}.get(name, "auto")
             os.environ["HF_ZERO3_TRITON_MLP"] = "0" if name == "hf_zero3_graphs_cublas_mlp" else "1"
             os.environ["HF_ZERO3_COMPILE_PREFILL"] = "0" if name == "hf_zero3_graphs_eager_prefill" else "1"
             os.environ["HF_ZERO3_SPLIT_K"] = "0" if name == "hf_zero3_graphs_no_split" else "1"
+            os.environ["HF_ZERO3_FUSE_ROPE"] = "1" if name == "hf_zero3_graphs_fused_rope" else "0"
             for rep in range(2):
                 mark(f"batch {batch} {name} rep {rep}")
                 kw = dict(input_ids=ids, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0, eos_token_id=None)
@@ -121,7 +126,7 @@ def rank_main():
                              attention=getattr(ours, "attention", None),
                              fused_projections=getattr(ours, "fused_projections", None),
                              mlp_kernels=getattr(ours, "mlp_kernels", None), split_k=getattr(ours, "split_k", None),
-                             prefill=getattr(ours, "prefill", None),
+                             prefill=getattr(ours, "prefill", None), rope_attention=getattr(ours, "rope_attention", None),
                              same_tokens_both_calls=bool(torch.equal(outs[0], outs[1])),
                              forwards=getattr(stats, "forwards", None), compiles=getattr(stats, "compiles", None),
                              weight_bytes=n_bytes))

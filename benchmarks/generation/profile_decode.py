@@ -9,6 +9,9 @@ Modes: ``default`` (torch.compile's defaults), ``max-autotune`` (inductor's GEMM
 ``combo`` (inductor's ``combo_kernels``: independent small kernels launched as one). Per mode it
 also profiles one prefill (GPU busy time and top kernels against its wall time) and the host
 functions of one whole warm call (cProfile, top cumulative).
+``PROFILE_TIMELINE=1`` instead traces one warm call (host and GPU, no syncs added) and prints the
+GPU's idle time inside it: the total, and the largest gaps with the host work that ran during each
+(labelled phases of hf_zero3's call and the top-level host ops).
 Run: python benchmarks/generation/profile_decode.py   (GPU only; PROFILE_MODES=default,max-autotune,combo)
 """
 
@@ -48,6 +51,19 @@ def rank_main():
     def emit(**row):
         rows.append(row)
         print(json.dumps(row, default=str), flush=True)
+
+    if os.environ.get("PROFILE_TIMELINE") == "1":  # before any synced wrapper is installed
+        for batch in BATCHES:
+            g = torch.Generator().manual_seed(batch)
+            ids = torch.randint(3, cfg.vocab_size, (batch, PROMPT), generator=g).to(dev)
+            for _ in range(2):  # compile, then one warm call
+                t = time.perf_counter()
+                _call(hf_zero3, engine, ids)
+                torch.cuda.synchronize()
+                emit(what="warmup", batch=batch, seconds=time.perf_counter() - t,
+                     graphs_reused=module.hf_zero3_last_generate.graphs_reused)
+            emit(what="timeline", batch=batch, **_timeline(hf_zero3, engine, ids))
+        return rows
 
     timers = collections.defaultdict(float)
     probe = {"profile": False, "result": None, "ptrs": [], "prefill": False, "prefill_result": None}
@@ -203,6 +219,112 @@ def rank_main():
          params_same_as_first=[x[0] == p[0][0] for x in p], cache_same_as_first=[x[1] == p[0][1] for x in p],
          params_moved=[sum(a != b for a, b in zip(x[0], p[0][0])) for x in p], n_params=len(p[0][0]))
     return rows
+
+
+_LABELS = (("hf_zero3.generation.lockstep", "_Call", "begin"), ("hf_zero3.generation.lockstep", "_Call", "validated"),
+           ("hf_zero3.generation.lockstep", "_Call", "end"), ("hf_zero3.generation.lockstep", "_Call", "keep_going"),
+           ("hf_zero3.generation.lockstep", "_Call", "finish_loop"), ("hf_zero3.gathering", None, "_decide"),
+           ("hf_zero3.generation.graph_decode", None, "_prefill"), ("hf_zero3.generation.graph_decode", None, "_loop_for"),
+           ("hf_zero3.generation.graph_decode", "_Loop", "start"), ("hf_zero3.generation.graph_decode", "_Loop", "result"),
+           ("hf_zero3.generation.graph_decode", "_Loop", "finished"), ("hf_zero3.generation.graph_decode", "_Runner", "run"),
+           ("hf_zero3.generation.fused_projections", "Fused", "bind"), ("hf_zero3.generation.lockstep", "Zero3GenerationMixin", "generate"),
+           ("hf_zero3.generation.lockstep", "Zero3GenerationMixin", "_sample"), ("deepspeed.runtime.zero.partition_parameters",
+           "GatheredParameters", "__enter__"), ("deepspeed.runtime.zero.partition_parameters", "GatheredParameters", "__exit__"))
+
+
+def _call(hf_zero3, engine, ids) -> None:
+    import torch
+
+    with torch.no_grad():
+        hf_zero3.lockstep_generate(engine, input_ids=ids, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0,
+                                   eos_token_id=None, gather="all", sync_every=8, decode="compiled", graph_steps=8)
+
+
+def _timeline(hf_zero3, engine, ids) -> dict:
+    """One warm call traced (host and GPU): the GPU's idle time and what the host did meanwhile."""
+    import functools
+    import importlib
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    undo = []
+    for mod_name, cls_name, attr in _LABELS:
+        try:
+            owner = importlib.import_module(mod_name)
+            owner = getattr(owner, cls_name) if cls_name else owner
+            fn = getattr(owner, attr)
+        except (ImportError, AttributeError):
+            continue
+
+        def wrap(fn, label):
+            @functools.wraps(fn)
+            def inner(*a, **k):
+                with record_function(label):
+                    return fn(*a, **k)
+            return inner
+
+        setattr(owner, attr, wrap(fn, f"hz3:{cls_name + '.' if cls_name else ''}{attr}"))
+        undo.append((owner, attr, fn))
+    try:
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            with record_function("hz3:call"):
+                _call(hf_zero3, engine, ids)
+            torch.cuda.synchronize()
+    finally:
+        for owner, attr, fn in undo:
+            setattr(owner, attr, fn)
+    events = list(prof.events())
+    call = next(e for e in events if e.name == "hz3:call")
+    t0, t1 = call.time_range.start, call.time_range.end
+    gpu = sorted((e.time_range.start, e.time_range.end) for e in events
+                 if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    busy, gaps, cur = 0.0, [], None
+    for s, e in gpu:
+        if cur is None:
+            if s > t0:
+                gaps.append((t0, s))
+            cur = [s, e]
+        elif s > cur[1]:
+            busy += cur[1] - cur[0]
+            gaps.append((cur[1], s))
+            cur = [s, e]
+        else:
+            cur[1] = max(cur[1], e)
+    if cur is not None:
+        busy += cur[1] - cur[0]
+        gaps.append((cur[1], t1))
+    cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    labels = [e for e in cpu if e.name.startswith("hz3:") and e.name != "hz3:call"]
+    tops = [e for e in cpu if e.cpu_parent is None or e.cpu_parent.name.startswith("hz3:")]
+    tops = [e for e in tops if not e.name.startswith("hz3:")]
+
+    def during(s, e, evs, n):
+        over = collections.Counter()
+        for ev in evs:
+            o = min(e, ev.time_range.end) - max(s, ev.time_range.start)
+            if o > 0:
+                over[ev.name[:70]] += o
+        return [(k, round(v)) for k, v in over.most_common(n)]
+
+    by_label = collections.Counter()
+    for s, e in gaps:
+        inner = [lab for lab in labels if lab.time_range.start <= s and lab.time_range.end >= e]
+        name = min(inner, key=lambda lab: lab.time_range.end - lab.time_range.start).name if inner else "(none)"
+        by_label[name] += e - s
+    big = sorted(gaps, key=lambda g: g[0] - g[1])[:25]
+    kernels = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[e.name[:100]][0] += 1
+            kernels[e.name[:100]][1] += e.time_range.elapsed_us()
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:24]
+    return dict(call_ms=(t1 - t0) / 1e3, gpu_busy_ms=busy / 1e3, gpu_idle_ms=sum(e - s for s, e in gaps) / 1e3,
+                gaps=len(gaps), kernels=sum(c for c, _ in kernels.values()),
+                top_kernels=[(k, c, round(us)) for k, (c, us) in top], idle_by_phase_ms={k: round(v / 1e3, 3) for k, v in by_label.most_common()},
+                largest=[dict(at_ms=round((s - t0) / 1e3, 3), us=round(e - s), labels=during(s, e, labels, 3),
+                              host=during(s, e, tops, 4)) for s, e in big])
 
 
 def _kernels(prof, n: int, k: int) -> dict:

@@ -16,19 +16,23 @@ attention runs as one kernel per layer (:mod:`hf_zero3.kernels.gqa_decode`: ``KE
 scores as flash attention keeps them, the unfilled tail of the cache not read); elsewhere, or with
 ``HF_ZERO3_TRITON_ATTENTION=0``, or where the kernel has fewer programs than the GPU has SMs
 (batch x key/value heads: it is slower there), as the PyTorch form above (``NAME``).
-:func:`choice` picks one when a decode loop is built.
+:func:`choice` picks one when a decode loop is built. Where it picks the kernel, Llama attention
+modules also move their rotary embedding and cache write into it (:func:`rope_plan`, below).
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 
 from .._upstream import transformers as hf_up
 from ..kernels import gqa_decode
+from . import _switch
 
-__all__ = ["NAME", "KERNEL", "attention", "kernel_attention", "applies", "choice", "use"]
+__all__ = ["NAME", "KERNEL", "attention", "kernel_attention", "applies", "choice", "use", "rope_enabled", "rope_plan", "rope_bind",
+           "rope_use", "advance"]
 
 NAME = "hf_zero3_gqa_decode"
 KERNEL = gqa_decode.NAME
@@ -115,3 +119,157 @@ def use(model, name: str | None = NAME):
         yield
     finally:
         cfg._attn_implementation = before
+
+
+# -- the rotary embedding and the cache write inside the kernel ------------------------------------
+# Where the Triton kernel attends, a decode step of a Llama attention module is otherwise four more
+# small kernels per layer under torch.compile (the query's rotary embedding with the mask, the
+# key's with its cache write, the value's cache write, the cache's fill-count add): on one H200 at
+# batch 64 ~88 us of GPU time and ~60 us of launch gaps of a ~1.4 ms step (16 layers). Here the
+# module's decode forward runs its q/k/v projections and then one kernel
+# (:func:`gqa_decode.rope_decode_attention`) that rotates the query and the new key, writes the key
+# and the value at the cache's fill count and attends; the loop advances every such layer's fill
+# count in one op after the step's forward (:func:`advance`), as ``StaticLayer.update`` would have
+# one by one. ``HF_ZERO3_FUSE_ROPE=1`` turns it on (read when a decode loop is built; opt-in until
+# measured on a GPU: :func:`rope_enabled`).
+
+_ROPE_FORWARDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # attention module -> its decode forward
+
+
+def _llama_forwards() -> tuple:
+    """The attention forwards whose decode step :func:`_rope_forward` computes: transformers'
+    Llama attention (query/key/value projections, rotate-half rotary embedding, a cache update,
+    the attention interface without extra arguments, ``o_proj``), and subclasses that keep it."""
+    try:
+        from transformers.models.llama.modeling_llama import LlamaAttention
+    except ImportError:
+        return ()
+    return (LlamaAttention.forward,)
+
+
+def _rope_module(m) -> bool:
+    if type(m).forward not in _llama_forwards() or "forward" in vars(m) or m._forward_hooks or m._forward_pre_hooks:
+        return False
+    projs = [getattr(m, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    if any(not isinstance(p, torch.nn.Linear) for p in projs) or not isinstance(getattr(m, "layer_idx", None), int):
+        return False
+    d = getattr(m, "head_dim", None)
+    q, k, v = projs[:3]
+    return (isinstance(d, int) and d % 2 == 0 and q.out_features % d == 0 and k.out_features % d == 0
+            and v.out_features == k.out_features and (q.out_features // d) % (k.out_features // d) == 0
+            and q.out_features > k.out_features)
+
+
+def rope_enabled() -> bool:
+    """Opt-in (``HF_ZERO3_FUSE_ROPE=1``) until it has run on a GPU: built and tested on CPU under
+    Triton's interpreter (kernel, a real Llama's steps, the compiled static loop), not yet compiled
+    by Triton for a GPU or measured (see benchmarks/RESULTS.md)."""
+    return _switch.on("HF_ZERO3_FUSE_ROPE", default=False)
+
+
+def rope_plan(model, attention: str | None) -> tuple[str, ...]:
+    """Names of ``model``'s attention modules whose decode steps rotate, write the cache and attend
+    in one kernel: where the loop attends with the kernel (``attention`` is :data:`KERNEL`)."""
+    if attention != KERNEL or not rope_enabled():
+        return ()
+    return tuple(name for name, m in model.named_modules() if _rope_module(m))
+
+
+def rope_bind(model, names: tuple[str, ...], cache) -> list:
+    """The named modules (:func:`rope_plan`) that still apply to this call's ``cache`` (after its
+    prompt's forward: a static layer allocates its tensors at its first update), once per call."""
+    from transformers.cache_utils import StaticLayer
+
+    bound = []
+    layers = getattr(cache, "layers", ())
+    for name in names:
+        try:
+            m = model.get_submodule(name)
+        except AttributeError:
+            continue
+        if not _rope_module(m) or m.layer_idx >= len(layers):
+            continue
+        layer = layers[m.layer_idx]
+        if type(layer) is not StaticLayer or not getattr(layer, "is_initialized", False):
+            continue
+        w = m.q_proj.weight
+        if layer.keys.dtype == w.dtype and layer.values.dtype == w.dtype and layer.keys.device == w.device:
+            bound.append(m)
+    return bound
+
+
+def _rope_fits(m, hidden, cos, sin, layer, mask) -> bool:
+    """The step's tensors are what :func:`gqa_decode.rope_decode_attention` computes: one token,
+    the cache's dtype (no autocast), one (batch or 1, 1, head dim) cos/sin row per row, whole groups
+    of query heads per cache head, head dims up to 256, :func:`gqa_decode.supports`' masks, a
+    device Triton runs on. Shapes, dtypes and strides only: facts a trace specializes on."""
+    b, d = hidden.shape[0], m.head_dim
+    keys, values = layer.keys, layer.values
+    if hidden.dim() != 3 or hidden.shape[1] != 1 or hidden.dtype != keys.dtype or values.dtype != keys.dtype:
+        return False
+    if keys.dtype not in (torch.float16, torch.bfloat16, torch.float32) or torch.is_autocast_enabled(hidden.device.type):
+        return False
+    if not (hidden.is_cuda or gqa_decode._state.get("interpret", False)):
+        return False
+    if cos.shape != sin.shape or cos.dim() != 3 or cos.shape[0] not in (1, b) or tuple(cos.shape[1:]) != (1, d):
+        return False
+    if cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.dtype != sin.dtype:
+        return False
+    heads, kv = m.q_proj.out_features // d, keys.shape[1]
+    if (keys.shape[0] != b or keys.shape[-1] != d or m.k_proj.out_features != kv * d or heads % kv or d > 256
+            or values.shape[:2] != keys.shape[:2] or m.v_proj.out_features != kv * values.shape[-1]
+            or values.shape[-1] > 256):
+        return False
+    return mask is None or (mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == 1
+                            and mask.shape[-1] >= keys.shape[-2] and mask.shape[0] in (1, b))
+
+
+def _rope_forward(module):
+    ref = weakref.ref(module)  # kept per module in a weak dictionary: must not hold its key
+    own = type(module).forward
+
+    def forward(hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+        m = ref()
+        layers = getattr(past_key_values, "layers", None)
+        layer = layers[m.layer_idx] if layers is not None and m.layer_idx < len(layers) else None
+        if (layer is None or position_embeddings is None or kwargs.get("output_attentions")
+                or not _rope_fits(m, hidden_states, *position_embeddings, layer, attention_mask)):
+            out = own(m, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+            if layer is not None and hidden_states.shape[1] == 1:
+                layer.cumulative_length.sub_(1)  # the loop's advance() counts this layer's step
+            return out
+        b, d = hidden_states.shape[0], m.head_dim
+        q = m.q_proj(hidden_states).view(b, -1, d)
+        k = m.k_proj(hidden_states).view(b, -1, d)
+        v = m.v_proj(hidden_states).view(b, k.shape[1], -1)
+        cos, sin = position_embeddings
+        out = gqa_decode.rope_decode_attention(q, k, v, cos.view(cos.shape[0], d), sin.view(sin.shape[0], d),
+                                               layer.keys, layer.values, layer.cumulative_length, attention_mask,
+                                               m.scaling)
+        return m.o_proj(out.reshape(b, 1, -1)), None
+
+    return forward
+
+
+@contextlib.contextmanager
+def rope_use(modules: list):
+    """Inside: ``modules`` (:func:`rope_bind`) run their decode forward through the one kernel;
+    the caller calls :func:`advance` after the step's forward."""
+    patched = []
+    try:
+        for m in modules:
+            fn = _ROPE_FORWARDS.get(m)
+            if fn is None:
+                fn = _ROPE_FORWARDS[m] = _rope_forward(m)
+            m.forward = fn
+            patched.append(m)
+        yield
+    finally:
+        for m in patched:
+            vars(m).pop("forward", None)
+
+
+def advance(modules: list, cache) -> None:
+    """After a decode step's forward: the fill count of every layer ``modules`` wrote, one op."""
+    if modules:
+        torch._foreach_add_([cache.layers[m.layer_idx].cumulative_length for m in modules], 1)

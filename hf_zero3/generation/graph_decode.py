@@ -28,7 +28,8 @@ allocation sequence repeats (measured on one H200: back to back, after a layer-w
 a training step); when anything moved, the call captures anew. Kept graphs hold their memory pool
 (one decode step's temporaries) until :func:`release` (``hf_zero3.release_decode_graphs``).
 Grouped-query models decode with :mod:`.decode_attention` (the KV cache read once per step, not
-once per query head; on CUDA one Triton kernel per layer where it pays), Llama-style SiLU MLPs
+once per query head; on CUDA one Triton kernel per layer where it pays, with a Llama layer's
+rotary embedding and cache write inside it), Llama-style SiLU MLPs
 with :mod:`.decode_mlp` (the gate/up pair as one Triton kernel, down and ``o_proj`` split-K, CUDA), and the decode steps run
 DeepSpeed's forward prologue/epilogue hooks and gradient checkpointing's input-require-grads hook
 off (nothing for them to do in a gathered region under ``no_grad``). The prompt's forward is
@@ -292,7 +293,8 @@ class _Loop:
     place and :meth:`end` drops the call's objects (the model among them: a kept loop holds none)."""
 
     def __init__(self, batch: int, length: int, device, eos: torch.Tensor | None, sample: bool,
-                 attention: str | None, fused: tuple[str, ...] = (), mlp: tuple[str, ...] = (), split: bool = False):
+                 attention: str | None, fused: tuple[str, ...] = (), mlp: tuple[str, ...] = (), split: bool = False,
+                 rope: tuple[str, ...] = ()):
         self.mask = torch.ones(batch, length, dtype=torch.long, device=device)
         self.pos = torch.zeros(batch, dtype=torch.long, device=device)
         self.tok = torch.zeros(batch, dtype=torch.long, device=device)
@@ -311,6 +313,9 @@ class _Loop:
         self.split = split  # down through decode_mlp's split-K kernel too (o_proj layers are in mlp then)
         self.mlp_bound: list = []  # this call's modules that still apply (decode_mlp.bind)
         self.mlp_layers = self.split_layers = 0  # MLPs, split-K projections: the call's stats
+        self.rope = rope  # attention modules whose steps rotate, write the cache and attend in one kernel
+        self.rope_bound: list = []  # this call's (decode_attention.rope_bind, after bind_cache)
+        self.rope_layers = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # steps per graph -> graph
         self.cache_ptrs = None  # the cache tensors the graphs were captured with
         self.cache_small = None  # per layer, its small tensors (length counters) the graphs read
@@ -345,7 +350,7 @@ class _Loop:
 
     def end(self) -> None:
         self.fused.free()
-        self.mlp_bound = []
+        self.mlp_bound, self.rope_bound = [], []
         self.model = self.cache = self.prompt = self.processors = self.call = None
 
     def bind_cache(self) -> None:
@@ -380,7 +385,7 @@ class _Loop:
         kwargs = dict(input_ids=self.tok.view(-1, 1), attention_mask=self.mask, position_ids=self.pos.view(-1, 1),
                       past_key_values=self.cache, use_cache=True, **self.extra)
         with (decode_attention.use(self.model, self.attention), self.fused.use(),
-              decode_mlp.use(self.mlp_bound, self.split),
+              decode_mlp.use(self.mlp_bound, self.split), decode_attention.rope_use(self.rope_bound),
               hf_up.input_grad_hooks_suspended(self.model), ds_up.engine_forward_hooks_suspended(self.model)):
             try:
                 out = self.call(self.model, **kwargs)
@@ -394,6 +399,7 @@ class _Loop:
                 log.warning("hf_zero3 lockstep: static loop without torch.compile: %s", why)
                 self.call, self.compiled = type(self.model).__call__, False
                 out = self.call(self.model, **kwargs)
+        decode_attention.advance(self.rope_bound, self.cache)  # the fill counts the fused layers left
         self._choose(out.logits[:, -1])
 
     def _choose(self, logits: torch.Tensor) -> None:
@@ -490,7 +496,7 @@ def _loop_key(model, input_ids, processors, generation_config, eos_key, cache,
     dev = input_ids.device
     shape = (type(model), input_ids.shape[0], _cache_length(cache), str(dev), bool(generation_config.do_sample),
              tuple(procs), eos_key,
-             attention, decode_mlp.enabled(), decode_mlp.split_enabled())
+             attention, decode_mlp.enabled(), decode_mlp.split_enabled(), decode_attention.rope_enabled())
     params = list(model.parameters())
     where = (tuple(t.data_ptr() for t in params), tuple(t.data_ptr() for t in model.buffers()),
              tuple(t.dtype for t in params), torch.is_autocast_enabled(dev.type),
@@ -512,7 +518,7 @@ def _loop_for(model, input_ids, processors, generation_config, eos, eos_key, cac
             return entry[1], True
     loop = _Loop(input_ids.shape[0], _cache_length(cache), input_ids.device, eos, bool(generation_config.do_sample),
                  attention, fused_projections.plan(model), decode_mlp.plan(model, input_ids.device),
-                 decode_mlp.split_enabled())
+                 decode_mlp.split_enabled(), decode_attention.rope_plan(model, attention))
     if key is not None:
         kept[key[0]] = (key[1], loop)
         kept.move_to_end(key[0])
@@ -631,6 +637,8 @@ def decode(model, call, input_ids, logits_processor, stopping_criteria, generati
         loop.mlp_bound = decode_mlp.bind(model, loop.mlp)
         loop.mlp_layers, loop.split_layers = decode_mlp.counts(loop.mlp_bound, loop.split)
         loop.bind_cache()
+        loop.rope_bound = decode_attention.rope_bind(model, loop.rope, cache)  # the counters bind_cache kept
+        loop.rope_layers = len(loop.rope_bound)
         every, fixed = call.cfg.sync_every, call.cfg.stop == "fixed"
         tokens = 1  # the prefill chose token 1; before forward k + 1 the loop asks to go on (k = tokens)
         while tokens < budget:
@@ -650,5 +658,6 @@ def decode(model, call, input_ids, logits_processor, stopping_criteria, generati
     call.finish_loop(tokens, done_at, compiled=loop.compiled, graph_steps=runner.graph_steps,
                      capture_s=runner.capture_s, loop_reused=kept, graphs_reused=runner.reused,
                      attention=loop.attention, fused_projections=loop.fused_layers,
-                     mlp_kernels=loop.mlp_layers, split_k=loop.split_layers, prefill=prefill, prefill_reason=_PREFILL_FAILED.get(model))
+                     mlp_kernels=loop.mlp_layers, split_k=loop.split_layers, rope_attention=loop.rope_layers,
+                     prefill=prefill, prefill_reason=_PREFILL_FAILED.get(model))
     return out

@@ -10,7 +10,7 @@ import os
 
 import torch
 
-__all__ = ["missing", "interpreted", "launcher"]
+__all__ = ["missing", "interpreted", "launcher", "op"]
 
 
 def missing() -> str | None:
@@ -30,3 +30,18 @@ def interpreted() -> bool:
 def launcher(kernel):
     """``kernel`` as ``torch.library.triton_op`` bodies launch it (``launcher(k)[grid](...)``)."""
     return kernel if interpreted() else torch.library.wrap_triton(kernel)
+
+
+def op(name: str, mutates_args: tuple[str, ...], fake):
+    """A decorator: the kernel's launch function as the ``torch.library`` op ``name``; a
+    ``triton_op`` (``torch.compile`` traces into its Triton launch, CUDA graphs capture it), or under
+    Triton's interpreter a ``custom_op`` with ``fake`` (same arguments, returns an empty output) as
+    its shape function: a trace runs an op on fake tensors, which an interpreted kernel cannot read."""
+    def wrap(fn):
+        if not interpreted():
+            return torch.library.triton_op(name, mutates_args=mutates_args)(fn)
+        built = torch.library.custom_op(name, mutates_args=mutates_args)(fn)
+        built.register_fake(fake)
+        return built
+
+    return wrap

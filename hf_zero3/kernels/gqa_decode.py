@@ -12,9 +12,16 @@ where there are at least as many (row, key/value head) programs as the GPU has S
 one H200 in the same run, a batch-64 rollout 6 % faster than with the PyTorch form, a batch-8 one
 (64 programs) 10 % slower (``benchmarks/generation/bench_decode.py``): :func:`pays`.
 
+:func:`rope_decode_attention` is the same attention with the layer's rotary embedding and its cache
+write inside (the query and the new key rotated in registers, the key and value stored at the
+cache's fill count, the new token's own score from registers, the positions before it from the
+cache): the decode steps of Llama attention modules take it where the kernel attends
+(:mod:`hf_zero3.generation.decode_attention`), instead of four small kernels per layer beside it.
+
 Loaded lazily: :func:`is_available` is False without Triton or without ``torch.library.triton_op``
-(torch < 2.6); the caller then keeps the PyTorch form. Registered as the custom op
-``hf_zero3::gqa_decode_attention`` through ``torch.library.triton_op``, so ``torch.compile``
+(torch < 2.6); the caller then keeps the PyTorch form. Registered as the custom ops
+``hf_zero3::gqa_decode_attention`` and ``hf_zero3::gqa_decode_rope_attention`` (which mutates the
+two cache tensors) through ``torch.library.triton_op``, so ``torch.compile``
 (``fullgraph=True``) traces it and CUDA graphs capture it. ``HF_ZERO3_TRITON_ATTENTION``: ``auto``
 (default, where :func:`pays`), ``always``, ``0`` (off); read when a decode loop is built.
 :func:`load` builds it outside any trace (the decode loop calls it when it picks the kernel). On
@@ -30,10 +37,12 @@ import torch
 
 from . import _triton
 
-__all__ = ["NAME", "is_available", "unavailable_reason", "load", "supports", "pays", "gqa_decode_attention"]
+__all__ = ["NAME", "is_available", "unavailable_reason", "load", "supports", "pays", "gqa_decode_attention",
+           "rope_decode_attention"]
 
 NAME = "hf_zero3_gqa_decode_triton"
 BLOCK_S = 64  # cache positions per block
+LAUNCH = dict(BLOCK=BLOCK_S, num_warps=4, num_stages=2)  # both kernels' launch settings
 _state: dict = {}
 
 
@@ -146,25 +155,131 @@ def _build():
         tl.store(O + b * sob + (head * G + g)[:, None] * soh + dv[None, :], out.to(O.dtype.element_ty),
                  mask=rows[:, None] & (dv[None, :] < DV))
 
-    launch = _triton.launcher(kernel)
+    @triton.jit
+    def rope_kernel(Q, KN, VN, COS, SIN, KC, VC, P, M, O, scale,
+                    sqb, sqh, sknb, sknh, svnb, svnh, scb, ssb, skb, skh, sks, svb, svh, svs, smb, sms, sob, soh,
+                    L: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+                    BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK: tl.constexpr,
+                    MASK: tl.constexpr, PRECISION: tl.constexpr):
+        pid = tl.program_id(0)
+        b = pid // KV
+        head = pid % KV
+        g = tl.arange(0, BLOCK_G)
+        dd = tl.arange(0, BLOCK_D)
+        dv = tl.arange(0, BLOCK_DV)
+        rows = g < G
+        in_d = dd < D
+        in_dv = dv < DV
+        # rotate_half: the first half takes minus the second half's value, the second the first's
+        partner = tl.where(dd < D // 2, dd + D // 2, dd - D // 2)
+        sign = tl.where(dd < D // 2, -1.0, 1.0)
+        pos = tl.load(P)  # the cache's fill count before this step: the new token's cache position
+        cos = tl.load(COS + b * scb + dd, mask=in_d, other=0.0).to(tl.float32)
+        sin = tl.load(SIN + b * ssb + dd, mask=in_d, other=0.0).to(tl.float32)
+        k = tl.load(KN + b * sknb + head * sknh + dd, mask=in_d, other=0.0).to(tl.float32)
+        kp = tl.load(KN + b * sknb + head * sknh + partner, mask=in_d, other=0.0).to(tl.float32)
+        k_new = (k * cos + sign * kp * sin).to(KC.dtype.element_ty)  # rounded as the cache stores it
+        v_new = tl.load(VN + b * svnb + head * svnh + dv, mask=in_dv, other=0.0)
+        tl.store(KC + b * skb + head * skh + pos * sks + dd, k_new, mask=in_d)
+        tl.store(VC + b * svb + head * svh + pos * svs + dv, v_new.to(VC.dtype.element_ty), mask=in_dv)
+        qmask = rows[:, None] & in_d[None, :]
+        qrow = Q + b * sqb + (head * G + g)[:, None] * sqh
+        q = tl.load(qrow + dd[None, :], mask=qmask, other=0.0).to(tl.float32)
+        qp = tl.load(qrow + partner[None, :], mask=qmask, other=0.0).to(tl.float32)
+        q = (q * cos[None, :] + sign[None, :] * qp * sin[None, :]).to(Q.dtype.element_ty)
+        # the new token's own score from registers (its cache row was just written by this program)
+        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale
+        if MASK == 1:
+            own = tl.load(M + b * smb + pos * sms) != 0
+        elif MASK == 2:
+            s_new = s_new + tl.load(M + b * smb + pos * sms).to(tl.float32)
+            own = pos >= 0
+        else:
+            own = pos >= 0
+        m_i = tl.where(own, s_new, float("-inf"))
+        l_i = tl.where(own, 1.0, 0.0) + tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.where(own, 1.0, 0.0) * v_new.to(tl.float32)[None, :] + tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+        for start in range(0, L, BLOCK):
+            s = start + tl.arange(0, BLOCK)
+            inside = (s < L) & (s < pos)  # the positions filled before this step
+            if MASK == 1:
+                valid = inside & (tl.load(M + b * smb + s * sms, mask=inside, other=0) != 0)
+                bias = tl.zeros([BLOCK], tl.float32)
+            elif MASK == 2:
+                valid = inside
+                bias = tl.load(M + b * smb + s * sms, mask=inside, other=0.0).to(tl.float32)
+            else:
+                valid = inside
+                bias = tl.zeros([BLOCK], tl.float32)
+            if tl.max(valid.to(tl.int32), axis=0) > 0:
+                kc = tl.load(KC + b * skb + head * skh + s[:, None] * sks + dd[None, :],
+                             mask=valid[:, None] & in_d[None, :], other=0.0)
+                qk = (tl.dot(q, tl.trans(kc), input_precision=PRECISION) * scale).to(tl.float32) + bias[None, :]
+                qk = tl.where(valid[None, :], qk, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+                p = tl.exp(qk - m_new[:, None])
+                alpha = tl.exp(m_i - m_new)
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                vc = tl.load(VC + b * svb + head * svh + s[:, None] * svs + dv[None, :],
+                             mask=valid[:, None] & in_dv[None, :], other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(vc.dtype), vc, input_precision=PRECISION)
+                m_i = m_new
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(O + b * sob + (head * G + g)[:, None] * soh + dv[None, :], out.to(O.dtype.element_ty),
+                 mask=rows[:, None] & in_dv[None, :])
 
-    @torch.library.triton_op("hf_zero3::gqa_decode_attention", mutates_args=())
+    launch = _triton.launcher(kernel)
+    launch_rope = _triton.launcher(rope_kernel)
+
+    def meta(query, key_heads, d, dv, launch):
+        group = query.shape[1] // key_heads
+        return dict(KV=key_heads, G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=d,
+                    BLOCK_D=max(16, triton.next_power_of_2(d)), DV=dv, BLOCK_DV=max(16, triton.next_power_of_2(dv)),
+                    PRECISION="ieee" if query.dtype == torch.float32 else "tf32", **{**LAUNCH, **launch})
+
+    def rope_out(query, key, value, cos, sin, key_cache, value_cache, position, mask, mask_kind, scale):
+        return query.new_empty(query.shape[0], 1, query.shape[1], value_cache.shape[-1])
+
+    def rope_run(query, key, value, cos, sin, key_cache, value_cache, position, mask, mask_kind, scale, **launch):
+        b, h, d = query.shape
+        kv, length = key_cache.shape[1], key_cache.shape[2]
+        dv = value_cache.shape[-1]
+        out = torch.empty(b, 1, h, dv, dtype=query.dtype, device=query.device)
+        mb = mask.stride(0) if mask.shape[0] == b else 0
+        launch_rope[(b * kv,)](
+            query, key, value, cos, sin, key_cache, value_cache, position, mask, out, scale,
+            query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            cos.stride(0) if cos.shape[0] == b else 0, sin.stride(0) if sin.shape[0] == b else 0,
+            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+            value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), mb, mask.stride(3),
+            out.stride(0), out.stride(2), L=length, MASK=mask_kind, **meta(query, kv, d, dv, launch))
+        return out
+
+    @_triton.op("hf_zero3::gqa_decode_rope_attention", ("key_cache", "value_cache"), rope_out)
+    def rope_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                key_cache: torch.Tensor, value_cache: torch.Tensor, position: torch.Tensor, mask: torch.Tensor,
+                mask_kind: int, scale: float) -> torch.Tensor:
+        return rope_run(query, key, value, cos, sin, key_cache, value_cache, position, mask, mask_kind, scale)
+
+    _state["rope_op"], _state["rope_run"] = rope_op, rope_run  # rope_run: the probe's launch settings
+    _state["jit"] = {"attention": kernel, "rope": rope_kernel}  # the raw kernels (ahead-of-time compile test)
+
+    def out_like(query, key, value, mask, mask_kind, scale):
+        return query.new_empty(query.shape[0], 1, query.shape[1], value.shape[-1])
+
+    @_triton.op("hf_zero3::gqa_decode_attention", (), out_like)
     def op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, mask_kind: int,
            scale: float) -> torch.Tensor:
         b, h, _, d = query.shape
         kv, length = key.shape[1], key.shape[2]
         dv = value.shape[-1]
         out = torch.empty(b, 1, h, dv, dtype=query.dtype, device=query.device)
-        group = h // kv
         mb = mask.stride(0) if mask.shape[0] == b else 0  # a mask of one row serves every row
         launch[(b * kv,)](
             query, key, value, mask, out, scale,
             query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),
             value.stride(0), value.stride(1), value.stride(2), mb, mask.stride(3), out.stride(0), out.stride(2),
-            L=length, KV=kv, G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=d,
-            BLOCK_D=max(16, triton.next_power_of_2(d)), DV=dv, BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-            BLOCK=BLOCK_S, MASK=mask_kind, PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-            num_warps=4, num_stages=2)
+            L=length, MASK=mask_kind, **meta(query, kv, d, dv, {}))
         return out
 
     return op
@@ -190,3 +305,34 @@ def gqa_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     if value.stride(-1) != 1:
         value = value.contiguous()
     return op(query, key, value, mask, kind, float(scaling))
+
+
+def rope_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
+                          sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                          position: torch.Tensor, attention_mask, scaling: float) -> torch.Tensor:
+    """One decode token's attention with its rotary embedding and its cache write in the same
+    kernel: ``query`` (batch, heads, dim) and the new ``key`` (batch, kv_heads, dim) before the
+    rotary embedding (``cos``/``sin``: (batch or 1, dim), transformers' rotate-half form), the new
+    ``value``; writes the rotated key and the value at cache position ``position`` (a one-element
+    integer tensor: a static cache's fill count before this token) into ``key_cache`` /
+    ``value_cache`` (batch, kv_heads, length, dim) and attends over the positions before it and
+    itself, under ``attention_mask`` as :func:`gqa_decode_attention`. Returns (batch, 1, heads,
+    value dim). The caller advances the fill count and checks the shapes
+    (``hf_zero3.generation.decode_attention._rope_fits``: one token, whole head groups, an even
+    head dim up to 256, :func:`supports`' masks)."""
+    if "rope_op" not in _state:
+        load()
+    length = key_cache.shape[-2]
+    if attention_mask is None:
+        mask, kind = query.new_ones(1, 1, 1, 1, dtype=torch.bool).expand(1, 1, 1, length), 0
+    else:
+        mask = attention_mask[..., :length]
+        kind = 1 if mask.dtype == torch.bool else 2
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    if key.stride(-1) != 1:
+        key = key.contiguous()
+    if value.stride(-1) != 1:
+        value = value.contiguous()
+    return _state["rope_op"](query, key, value, cos, sin, key_cache, value_cache, position.view(1), mask, kind,
+                             float(scaling))

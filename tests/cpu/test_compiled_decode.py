@@ -228,10 +228,31 @@ def _static_loop_batches_rank():
         out[name] = dict(out=got.tolist(), loop=s.loop, loop_reason=s.loop_reason, decode=s.decode,
                          reason=s.decode_reason, forwards=s.forwards, extra=s.extra_forwards,
                          reused=s.loop_reused, attention=s.attention, fused=s.fused_projections,
-                         prefill=s.prefill, prefill_reason=s.prefill_reason, compiles=s.compiles)
+                         prefill=s.prefill, prefill_reason=s.prefill_reason, compiles=s.compiles,
+                         rope=s.rope_attention)
 
     run("eager", decode="eager")
     run("compiled", decode="compiled")
+    # the Triton attention kernel as on a GPU that it pays on (here Triton's interpreter): with
+    # HF_ZERO3_FUSE_ROPE=1 the steps rotate, write the cache and attend in one kernel per layer, the
+    # fill counts advanced after the forward; unset (the default) the model's rotary embedding and
+    # cache update stay beside the kernel
+    from hf_zero3.generation import decode_attention
+    from hf_zero3.kernels import gqa_decode
+
+    if os.environ.get("TRITON_INTERPRET") == "1" and gqa_decode.load() is not None:
+        choice = decode_attention.choice
+        decode_attention.choice = lambda model, device, rows: decode_attention.KERNEL
+        try:
+            os.environ["HF_ZERO3_FUSE_ROPE"] = "1"
+            try:
+                run("rope_kernel", decode="compiled")
+                run("rope_kernel_again", decode="compiled")
+            finally:
+                del os.environ["HF_ZERO3_FUSE_ROPE"]
+            run("kernel_unfused_rope", decode="compiled")
+        finally:
+            decode_attention.choice = choice
     # the same prompts sliced from a wider tensor (row stride != length, as a prompt cut from a
     # longer batch): the compiled prompt forward does not compile again
     run("sliced", decode="compiled", input_ids=torch.cat([ids, ids[:, :3]], 1)[:, :-3])
@@ -348,6 +369,25 @@ def test_static_loop_samples_the_tokens_eager_sampling_draws(batch_results):
         assert r["compiled_sampled"]["out"] == r["eager_sampled"]["out"]
     assert any(r["compiled_sampled"]["out"] != r["compiled"]["out"] for r in batch_results)  # it did sample
     assert batch_results[0]["compiled_sampled"]["forwards"] == batch_results[1]["compiled_sampled"]["forwards"]
+
+
+def test_the_rope_kernel_steps_give_eagers_tokens(batch_results):
+    """Decode steps through the one-kernel rotary + cache write + attention (Triton's interpreter,
+    compiled into the step as on a GPU) give eager decoding's tokens, compile nothing on a second
+    call; without HF_ZERO3_FUSE_ROPE=1 (opt-in) the same kernel attends without the fusion."""
+    from hf_zero3.generation.decode_attention import KERNEL
+
+    if "rope_kernel" not in batch_results[0]:
+        pytest.fail("the interpreted Triton kernel did not build (TRITON_INTERPRET=1 is set by conftest on CPU hosts)")
+    for r in batch_results:
+        for name in ("rope_kernel", "rope_kernel_again", "kernel_unfused_rope"):
+            assert r[name]["out"] == r["eager"]["out"], name
+            assert r[name]["loop"] == "hf_zero3" and r[name]["attention"] == KERNEL, r[name]
+        assert r["rope_kernel"]["rope"] == r["rope_kernel_again"]["rope"] == 2  # both layers
+        assert r["kernel_unfused_rope"]["rope"] == 0 and r["compiled"]["rope"] == 0
+        assert r["rope_kernel_again"]["compiles"] == 0  # the compiled step and prefill of the first call
+        assert r["rope_kernel"]["forwards"] == r["eager"]["forwards"]
+    assert batch_results[0]["rope_kernel"]["forwards"] == batch_results[1]["rope_kernel"]["forwards"]
 
 
 def test_a_second_call_reuses_the_loop_only_with_the_same_parameters_and_state(batch_results):

@@ -130,3 +130,117 @@ def test_masks_and_dtypes_it_does_not_take():
     assert not gqa_decode.supports(q, k, v, keep[..., :9])  # shorter than the cache
     assert not gqa_decode.supports(q, k, v, keep.expand(2, 1, 1, 10).repeat(2, 1, 1, 1))  # another batch
     assert not gqa_decode.supports(q, k.double(), v, keep)  # key/value in another dtype than the query
+
+
+def _rope_case(seed, batch, heads, kv, dim, length, pos, cos_rows=None):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, dim, generator=g)
+    k = torch.randn(batch, kv, dim, generator=g)
+    v = torch.randn(batch, kv, dim, generator=g)
+    angles = torch.rand(cos_rows or batch, dim // 2, generator=g) * 6.0
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # rotate-half layout
+    kc = torch.randn(batch, kv, length, dim, generator=g)
+    vc = torch.randn(batch, kv, length, dim, generator=g)
+    keep = torch.zeros(batch, 1, 1, length, dtype=torch.bool)
+    for i in range(batch):
+        keep[i, ..., min(2 * i, pos): pos + 1] = True  # left padding; causal: nothing after the new token
+    return q, k, v, cos, sin, kc, vc, keep
+
+
+@pytest.mark.parametrize("batch,heads,kv,dim,length,pos,cos_rows", [
+    (3, 8, 2, 16, 70, 37, None),   # the new token inside the first block, a block after it unread
+    (2, 12, 4, 64, 200, 130, None),  # three blocks before it
+    (2, 6, 3, 20, 40, 0, None),    # the first token: only itself (a head dim no power of two)
+    (2, 8, 2, 32, 90, 64, 1),      # one cos/sin row for every row, the token at a block's start
+])
+def test_rope_kernel_equals_rotary_cache_write_and_attention(batch, heads, kv, dim, length, pos, cos_rows):
+    """One kernel = transformers' rotate-half rotary embedding of the query and the new key, the
+    static cache's index_copy at its fill count, and the grouped-heads attention over the cache."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from hf_zero3.generation.decode_attention import attention
+    from hf_zero3.kernels import gqa_decode
+
+    q, k, v, cos, sin, kc, vc, keep = _rope_case(batch * 7 + pos, batch, heads, kv, dim, length, pos, cos_rows)
+    qr, kr = apply_rotary_pos_emb(q[:, :, None], k[:, :, None], cos[:, None], sin[:, None])
+    ref_k, ref_v = kc.clone(), vc.clone()
+    at = torch.tensor([pos])
+    ref_k.index_copy_(2, at, kr)
+    ref_v.index_copy_(2, at, v[:, :, None])
+    ref, _ = attention(None, qr, ref_k, ref_v, keep, scaling=dim ** -0.5)
+    for mask in (keep, torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)):
+        got_k, got_v = kc.clone(), vc.clone()
+        counter = torch.tensor(pos)  # a StaticLayer's fill count: 0-dim int64
+        out = gqa_decode.rope_decode_attention(q, k, v, cos, sin, got_k, got_v, counter, mask, dim ** -0.5)
+        assert out.shape == (batch, 1, heads, dim) and int(counter) == pos  # the caller advances it
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_k, ref_k, rtol=1e-6, atol=1e-6)  # the rotated key at pos, the rest kept
+        assert torch.equal(got_v, ref_v)
+    if pos == 0 or cos_rows:
+        return
+    # no mask: every position up to the new token's (the unfilled rest is never read)
+    unpadded = torch.zeros_like(keep)
+    unpadded[..., : pos + 1] = True
+    ref_all, _ = attention(None, qr, ref_k, ref_v, unpadded, scaling=dim ** -0.5)
+    out = gqa_decode.rope_decode_attention(q, k, v, cos, sin, kc.clone(), vc.clone(), torch.tensor(pos), None,
+                                           dim ** -0.5)
+    torch.testing.assert_close(out, ref_all, rtol=1e-5, atol=1e-5)
+
+
+def test_llama_decode_steps_with_the_rope_kernel_match_its_own_attention(monkeypatch):
+    """A real Llama with transformers' StaticCache: two decode steps through the modules' one-kernel
+    decode forward (the fill counts advanced once per step, after the forward) give the logits, the
+    cache contents and the fill counts of the model's own steps."""
+    from transformers import StaticCache
+
+    from hf_zero3.generation import decode_attention
+    from hf_zero3.testing import models
+
+    model = models.plain_model(models.tiny_llama_config(attn_implementation="sdpa"))
+    monkeypatch.delenv("HF_ZERO3_FUSE_ROPE", raising=False)
+    assert decode_attention.rope_plan(model, decode_attention.KERNEL) == ()  # opt-in
+    monkeypatch.setenv("HF_ZERO3_FUSE_ROPE", "1")
+    names = decode_attention.rope_plan(model, decode_attention.KERNEL)
+    assert len(names) == model.config.num_hidden_layers
+    assert decode_attention.rope_plan(model, decode_attention.NAME) == ()  # only with the kernel
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [3, 4, 5, 6, 7, 9]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    runs = {}
+    for fused in (False, True):
+        cache = StaticCache(config=model.config, max_cache_len=80)
+        logits, step_mask = [], mask
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+            bound = decode_attention.rope_bind(model, names, cache) if fused else []
+            assert len(bound) == (len(names) if fused else 0)
+            for tok in ([[11], [12]], [[13], [14]]):
+                step_mask = torch.cat([step_mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+                positions = (step_mask.cumsum(-1) - 1)[:, -1:]
+                with decode_attention.use(model, decode_attention.KERNEL), decode_attention.rope_use(bound):
+                    out = model(input_ids=torch.tensor(tok), attention_mask=step_mask, position_ids=positions,
+                                past_key_values=cache, use_cache=True)
+                decode_attention.advance(bound, cache)
+                logits.append(out.logits)
+        assert all("forward" not in vars(m) for m in bound)  # unpatched after the step
+        runs[fused] = (logits, [(layer.keys.clone(), layer.values.clone(), int(layer.cumulative_length))
+                                for layer in cache.layers])
+    for a, b in zip(runs[True][0], runs[False][0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for (k1, v1, n1), (k2, v2, n2) in zip(runs[True][1], runs[False][1]):
+        assert n1 == n2 == 8
+        torch.testing.assert_close(k1, k2, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-6)
+
+
+def test_the_decode_switches_read_on_and_opt_in(monkeypatch):
+    """On-by-default switches (HF_ZERO3_FUSE_QKV...) are off only for 0/false/no/off; the opt-in
+    HF_ZERO3_FUSE_ROPE is on only for 1/true/yes/on; unset or empty is the default."""
+    from hf_zero3.generation import _switch
+
+    name = "HF_ZERO3_TEST_SWITCH"
+    monkeypatch.delenv(name, raising=False)
+    assert _switch.on(name) and not _switch.on(name, default=False)
+    for value, on, opt_in in (("", True, False), ("0", False, False), (" Off ", False, False), ("no", False, False),
+                              ("1", True, True), ("TRUE", True, True), ("yes", True, True), ("2", True, False)):
+        monkeypatch.setenv(name, value)
+        assert (_switch.on(name), _switch.on(name, default=False)) == (on, opt_in), value

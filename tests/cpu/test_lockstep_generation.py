@@ -268,6 +268,13 @@ def _three_ranks_models():
             exp = ref.generate(input_ids=ids, **kw)
         out[cfg_name] = dict(match=got.tolist() == exp.tolist(), forwards=forwards,
                              ref_len=exp.shape[1], got=got.tolist(), exp=exp.tolist())
+        # compiled decoding asked for: an encoder-decoder model decodes eagerly and says why
+        with torch.no_grad():
+            again = hf_zero3.lockstep_generate(engine, input_ids=ids, sync_every=2, gather="all", decode="compiled",
+                                               **kw)
+        st = engine.module.hf_zero3_last_generate
+        out[cfg_name]["compiled"] = dict(match=again.tolist() == exp.tolist(), decode=st.decode,
+                                         reason=st.decode_reason, forwards=counter.take())
     return out
 
 
@@ -289,6 +296,13 @@ def test_three_ranks_qwen2_and_t5_encoder_decoder():
         assert len(forwards) == 1, f"{name}: forwards differ per rank {forwards}"
         for rank, r in enumerate(res):
             assert r[name]["match"], f"{name} rank {rank}: {r[name]['got']} vs {r[name]['exp']}"
+            assert r[name]["compiled"]["match"], (name, rank, r[name]["compiled"])
+        assert len({r[name]["compiled"]["forwards"] for r in res}) == 1
+    for r in res:
+        # Qwen2 compiles (decode="compiled" forces it on CPU); T5 cannot and says so
+        assert r["tiny_qwen2_config"]["compiled"]["decode"] == "compiled", r["tiny_qwen2_config"]["compiled"]
+        t5 = r["tiny_t5_config"]["compiled"]
+        assert t5["decode"] == "eager" and t5["reason"] == "encoder-decoder model", t5
 
 
 def _peft_lora(decode: str = "eager"):

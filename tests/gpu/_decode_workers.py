@@ -18,6 +18,7 @@ def compiled_decode(new_tokens: int = 48):
     # the Triton decode attention also at this test's batch (4 rows x 8 key/value heads: fewer
     # programs than SMs, where "auto" keeps the PyTorch form), so the test runs it end to end
     os.environ["HF_ZERO3_TRITON_ATTENTION"] = "always"
+    os.environ["HF_ZERO3_FUSE_ROPE"] = "1"  # with the rotary embedding and cache write inside (opt-in)
 
     rank = dist.get_rank()
     engine = build(deepcompile=False, compile_=False, torch_adam=True)
@@ -51,7 +52,7 @@ def compiled_decode(new_tokens: int = 48):
         out["graphs"] = dict(loop=st.loop, reason=st.loop_reason, graph_steps=st.graph_steps, decode=st.decode,
                              forwards=st.forwards, compiles=st.compiles, attention=st.attention,
                              mlp_kernels=st.mlp_kernels, split_k=st.split_k, prefill=st.prefill,
-                             prefill_reason=st.prefill_reason)
+                             prefill_reason=st.prefill_reason, rope_attention=st.rope_attention)
         # the same call again, back to back: it replays the graphs the last one captured (the
         # parameters and the new call's cache tensors land where the last ones were), the same tokens
         again = hf_zero3.lockstep_generate(engine, input_ids=ids, gather="all", decode="compiled", do_sample=False,

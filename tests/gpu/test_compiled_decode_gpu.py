@@ -28,6 +28,7 @@ def test_compiled_decode_matches_eager_logits_and_does_not_recompile():
         assert g["attention"] == "hf_zero3_gqa_decode_triton", g  # the Triton decode attention, captured
         assert g["prefill"] == "compiled", g  # the prompt's forward compiled (prompt length dynamic)
         assert g["split_k"] == 8, g  # 4 layers' down (2816: 4 slices) and o_proj (1024: 2) through split-K
+        assert g["rope_attention"] == 4, g  # rotary + cache write + attention in one kernel, every layer
         print("graphs:", g)  # for the record (mlp_kernels: MLPs through hf_zero3's Triton GEMMs)
         gtf = r["graphs_teacher_forced"]
         assert gtf["tokens"] > 0 and gtf["max_margin"] <= 0.05 * max(1.0, gtf["max_abs_logit"]), gtf

@@ -58,3 +58,84 @@ def test_kernel_compiles_into_one_graph_and_replays_from_a_cuda_graph():
     keep[:, ..., :32] = False  # a new mask, read by the replay
     graph.replay()
     torch.testing.assert_close(out, step(q, k, v, keep))
+
+
+def _rope_case(batch=64, heads=32, kv=8, dim=64, length=192, pos=100, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(batch, heads, dim, generator=g, device="cuda", dtype=dtype)
+    k = torch.randn(batch, kv, dim, generator=g, device="cuda", dtype=dtype)
+    v = torch.randn(batch, kv, dim, generator=g, device="cuda", dtype=dtype)
+    angles = torch.rand(batch, dim // 2, generator=g, device="cuda") * 6.0
+    cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
+    kc = torch.randn(batch, kv, length, dim, generator=g, device="cuda", dtype=dtype)
+    vc = torch.randn(batch, kv, length, dim, generator=g, device="cuda", dtype=dtype)
+    keep = torch.zeros(batch, 1, 1, length, dtype=torch.bool, device="cuda")
+    for i in range(batch):
+        keep[i, ..., i % 7: pos + 1] = True
+    return q, k, v, cos, sin, kc, vc, keep
+
+
+def _rope_reference(q, k, v, cos, sin, kc, vc, keep, pos):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from hf_zero3.generation.decode_attention import attention
+
+    qr, kr = apply_rotary_pos_emb(q[:, :, None].float(), k[:, :, None].float(), cos[:, None].float(),
+                                  sin[:, None].float())
+    kc, vc = kc.float().clone(), vc.float().clone()
+    at = torch.tensor([pos], device=q.device)
+    kc.index_copy_(2, at, kr.to(q.dtype).float())
+    vc.index_copy_(2, at, v[:, :, None].float())
+    return attention(None, qr.to(q.dtype).float(), kc, vc, keep, scaling=q.shape[-1] ** -0.5)[0], kc, vc
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_kernel_within_tolerance_of_float32_math(dtype):
+    """Rotary embedding + cache write + attention in one kernel (Llama-3.2-1B decode shapes)."""
+    from hf_zero3.kernels import gqa_decode
+
+    q, k, v, cos, sin, kc, vc, keep = _rope_case(dtype=dtype)
+    exact, ref_k, ref_v = _rope_reference(q, k, v, cos, sin, kc, vc, keep, 100)
+    counter = torch.tensor(100, device="cuda")
+    out = gqa_decode.rope_decode_attention(q, k, v, cos, sin, kc, vc, counter, keep, 64 ** -0.5)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert (out.float() - exact).abs().max().item() <= tol
+    assert (kc.float() - ref_k).abs().max().item() <= (1e-5 if dtype == torch.float32 else 2e-2)
+    assert torch.equal(vc.float(), ref_v) and int(counter) == 100
+
+
+def test_rope_kernel_compiled_and_replayed_writes_the_cache_in_place():
+    """Inside ``torch.compile(fullgraph=True)`` (a graph input mutated by a user Triton kernel) and
+    replayed from a CUDA graph: the caller's cache tensors hold the new key and value, the output
+    is the eager kernel's, and the position comes from the counter at replay."""
+    from hf_zero3.kernels import gqa_decode
+
+    q, k, v, cos, sin, kc, vc, keep = _rope_case()
+    counter = torch.tensor(100, device="cuda")
+
+    def step(q, k, v, kc, vc, counter, keep):
+        out = gqa_decode.rope_decode_attention(q * 1.0, k, v, cos, sin, kc, vc, counter, keep, 0.125) + 0
+        counter.add_(1)
+        return out
+
+    eager_k, eager_v, eager_n = kc.clone(), vc.clone(), counter.clone()
+    expected = step(q, k, v, eager_k, eager_v, eager_n, keep)
+    compiled = torch.compile(step, fullgraph=True)
+    ck, cv, cn = kc.clone(), vc.clone(), counter.clone()
+    torch.testing.assert_close(compiled(q, k, v, ck, cv, cn, keep), expected)
+    assert torch.equal(ck, eager_k) and torch.equal(cv, eager_v) and int(cn) == 101
+    ck, cv, cn = kc.clone(), vc.clone(), counter.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        compiled(q, k, v, ck, cv, cn, keep)  # warm-up before capture (writes position 100)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = compiled(q, k, v, ck, cv, cn, keep)  # captured at 101
+    ck.copy_(kc)
+    cv.copy_(vc)
+    cn.fill_(100)
+    graph.replay()  # at 100 again: the counter read at replay
+    torch.testing.assert_close(out, expected)
+    assert torch.equal(ck, eager_k) and torch.equal(cv, eager_v) and int(cn) == 101

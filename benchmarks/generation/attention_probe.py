@@ -1,0 +1,125 @@
+"""The decode step's attention per layer (issue #14): the rotary embedding, the static cache's
+k/v write and the grouped-query attention as a compiled decode step runs them without the fusion
+(inductor's rotary/index_copy kernels + ``hf_zero3.kernels.gqa_decode``'s attention kernel + the
+fill-count add), against ``gqa_decode.rope_decode_attention`` (all of it in one kernel) over a few
+launch settings (cache positions per block, warps, stages).
+
+Llama-3.2-1B shapes (32 query heads, 8 key/value heads, head dim 64, bf16), a 192-position static
+cache filled up to position 128, batch 64 and 8. Each measurement is a CUDA graph of 16 calls over
+16 distinct caches (as the 16 layers of a step: the caches stream from HBM, not L2), replayed 20
+times; microseconds per call. Each fused row is checked against the unfused output.
+Run: python benchmarks/generation/attention_probe.py   (GPU only)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+from common import save, table  # noqa: E402
+
+LAYERS, REPLAYS, HEADS, KV, DIM, LENGTH, POS = 16, 20, 32, 8, 64, 192, 128
+SETTINGS = [dict(BLOCK=b, num_warps=w, num_stages=s) for b, w, s in [
+    (64, 4, 2), (32, 4, 2), (128, 4, 2), (64, 2, 2), (64, 8, 2), (128, 8, 2), (64, 4, 3), (32, 2, 2), (128, 4, 1),
+    (256, 8, 1)]]
+
+
+def main():
+    import torch
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from hf_zero3.generation.decode_attention import kernel_attention
+    from hf_zero3.kernels import gqa_decode
+
+    if not torch.cuda.is_available() or gqa_decode.load() is None:
+        print("attention_probe needs a CUDA GPU with Triton; skipped")
+        return
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    rows = []
+
+    def timed(fn, n):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for i in range(2):
+                fn(i)
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            outs = [fn(i) for i in range(n)]
+        g.replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(REPLAYS):
+            g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) * 1e3 / (REPLAYS * n), outs
+
+    for batch in (64, 8):
+        g = torch.Generator(device=dev).manual_seed(batch)
+        q = torch.randn(batch, 1, HEADS * DIM, generator=g, device=dev, dtype=dt)
+        k = torch.randn(batch, 1, KV * DIM, generator=g, device=dev, dtype=dt)
+        v = torch.randn(batch, 1, KV * DIM, generator=g, device=dev, dtype=dt)
+        angles = torch.rand(batch, 1, DIM // 2, generator=g, device=dev) * 6
+        cos, sin = torch.cat([angles.cos()] * 2, -1).to(dt), torch.cat([angles.sin()] * 2, -1).to(dt)
+        caches = [(torch.randn(batch, KV, LENGTH, DIM, generator=g, device=dev, dtype=dt),
+                   torch.randn(batch, KV, LENGTH, DIM, generator=g, device=dev, dtype=dt),
+                   torch.tensor(POS, device=dev)) for _ in range(LAYERS)]
+        keep = torch.zeros(batch, 1, 1, LENGTH, dtype=torch.bool, device=dev)
+        keep[..., : POS + 1] = True
+
+        def unfused(kc, vc, n, q, k, v, cos, sin, keep):
+            qs = q.view(batch, 1, HEADS, DIM).transpose(1, 2)
+            ks = k.view(batch, 1, KV, DIM).transpose(1, 2)
+            vs = v.view(batch, 1, KV, DIM).transpose(1, 2)
+            qs, ks = apply_rotary_pos_emb(qs, ks, cos, sin)
+            at = torch.arange(1, device=q.device) + n
+            n.add_(1)
+            kc.index_copy_(2, at, ks)
+            vc.index_copy_(2, at, vs)
+            return kernel_attention(None, qs, kc, vc, keep, scaling=DIM ** -0.5)[0]
+
+        step = torch.compile(unfused, fullgraph=True)
+
+        def base(i):
+            kc, vc, n = caches[i % LAYERS]
+            n.fill_(POS)
+            return step(kc, vc, n, q, k, v, cos, sin, keep)
+
+        us, ref = timed(base, LAYERS)
+        rows.append(dict(batch=batch, impl="unfused (compiled rotary + cache writes + kernel)", cfg="", us=us, ok=True))
+        print(json.dumps(rows[-1]), flush=True)
+        run = gqa_decode._state["rope_run"]
+        for cfg in SETTINGS:
+            def fused(i, cfg=cfg):
+                kc, vc, n = caches[i % LAYERS]
+                return run(q.view(batch, HEADS, DIM), k.view(batch, KV, DIM), v.view(batch, KV, DIM),
+                           cos.view(batch, DIM), sin.view(batch, DIM), kc, vc, n.view(1), keep, 1, DIM ** -0.5, **cfg)
+
+            try:
+                us, outs = timed(fused, LAYERS)
+            except Exception as exc:  # a setting that does not fit
+                rows.append(dict(batch=batch, impl="rope_decode_attention", cfg=str(cfg), us=None,
+                                 ok=f"{type(exc).__name__}: {str(exc)[:120]}"))
+                continue
+            err = max((a.float() - b.float()).abs().max().item() for a, b in zip(outs, ref))
+            rows.append(dict(batch=batch, impl="rope_decode_attention", cfg=str(cfg), us=us, ok=err <= 2e-2, err=err))
+            print(json.dumps(rows[-1]), flush=True)
+        caches.clear()
+        torch.cuda.empty_cache()
+    path = save("attention_probe", {"rows": rows, "torch": torch.__version__, "device": torch.cuda.get_device_name()},
+                HERE)
+    for r in rows:
+        base = next(b for b in rows if b["batch"] == r["batch"] and b["cfg"] == "")
+        r["speedup"] = base["us"] / r["us"] if r["us"] else None
+    print(table(rows, ["batch", "impl", "cfg", "us", "speedup", "ok"]))
+    print(f"raw numbers: {path}")
+
+
+if __name__ == "__main__":
+    main()
