@@ -8,8 +8,9 @@ instead of the Triton kernel, ``HF_ZERO3_TRITON_ATTENTION=0``, or with cuBLAS fo
 of hf_zero3's Triton GEMMs, ``HF_ZERO3_TRITON_MLP=0``, with cuBLAS for down and o_proj instead of
 the split-K kernel, ``HF_ZERO3_SPLIT_K=0``, with the prompt's forward eager,
 ``HF_ZERO3_COMPILE_PREFILL=0``, with the rotary embedding and the cache write inside the Triton
-attention (opt-in, ``HF_ZERO3_FUSE_ROPE=1``), or with the Triton attention at every
-batch, ``HF_ZERO3_TRITON_ATTENTION=always``), same run, batch 8 and 64, 128 new
+attention (opt-in, ``HF_ZERO3_FUSE_ROPE=1``), with the Triton attention at every
+batch, ``HF_ZERO3_TRITON_ATTENTION=always``, or with a stop agreement every step, ``sync_every=1``:
+lockstep's default, where each step's graph waits for the agreement before it), same run, batch 8 and 64, 128 new
 tokens. ``BENCH_CONFIGS`` (comma-separated names) runs a subset; the ratio columns need
 ``hf_eager_gathered`` and ``hf_static_gathered``.
 
@@ -47,12 +48,14 @@ PARTIAL = os.path.join(os.environ.get("OUT", HERE), "decode_partial.jsonl")
 # the slow per-layer baseline last, so that a run cut short still has the main comparison
 ALL_CONFIGS = ("hf_eager_gathered", "hf_static_gathered", "hf_zero3_static_loop", "hf_zero3_graphs", "hf_zero3_graphs1",
                "hf_zero3_graphs_unfused", "hf_zero3_graphs_torch_attention", "hf_zero3_graphs_cublas_mlp", "hf_zero3_graphs_eager_prefill",
-               "hf_zero3_graphs_no_split", "hf_zero3_graphs_fused_rope", "hf_zero3_graphs_kernel_always", "layerwise")
+               "hf_zero3_graphs_no_split", "hf_zero3_graphs_fused_rope", "hf_zero3_graphs_kernel_always",
+               "hf_zero3_graphs_sync1", "layerwise")
 CONFIGS = tuple(c for c in os.environ.get("BENCH_CONFIGS", ",".join(ALL_CONFIGS)).split(",") if c)
 GRAPH_STEPS = {"hf_zero3_static_loop": 0, "hf_zero3_graphs": 8, "hf_zero3_graphs1": 1, "hf_zero3_graphs_unfused": 8,
                "hf_zero3_graphs_torch_attention": 8, "hf_zero3_graphs_cublas_mlp": 8,
                "hf_zero3_graphs_eager_prefill": 8, "hf_zero3_graphs_no_split": 8, "hf_zero3_graphs_fused_rope": 8,
-               "hf_zero3_graphs_kernel_always": 8}
+               "hf_zero3_graphs_kernel_always": 8, "hf_zero3_graphs_sync1": 8}
+SYNC_EVERY = {"hf_zero3_graphs_sync1": 1}  # lockstep's and Zero3Safe's default: a stop agreement every step
 
 
 def rank_main():
@@ -76,7 +79,7 @@ def rank_main():
         if name == "layerwise":
             return hf_zero3.lockstep_generate(engine, gather="layerwise", sync_every=4, **kw)
         if name.startswith("hf_zero3"):
-            return hf_zero3.lockstep_generate(engine, gather="all", sync_every=8, decode="compiled",
+            return hf_zero3.lockstep_generate(engine, gather="all", sync_every=SYNC_EVERY.get(name, 8), decode="compiled",
                                               graph_steps=GRAPH_STEPS[name], **kw)
         # TRL's unwrap_model_for_generation: the whole model gathered and ZeRO-3's hooks off
         # (GatheredParameters + remove_hooks), then transformers' own generate()
