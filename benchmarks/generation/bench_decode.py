@@ -10,7 +10,8 @@ the split-K kernel, ``HF_ZERO3_SPLIT_K=0``, with the prompt's forward eager,
 ``HF_ZERO3_COMPILE_PREFILL=0``, with the rotary embedding and the cache write inside the Triton
 attention (opt-in, ``HF_ZERO3_FUSE_ROPE=1``), with the Triton attention at every
 batch, ``HF_ZERO3_TRITON_ATTENTION=always``, or with a stop agreement every step, ``sync_every=1``:
-lockstep's default, where each step's graph waits for the agreement before it), same run, batch 8 and 64, 128 new
+lockstep's default, where each step's graph waits for the agreement before it; and both with the
+step after each agreement queued before it, ``HF_ZERO3_RUN_AHEAD=1``), same run, batch 8 and 64, 128 new
 tokens. ``BENCH_CONFIGS`` (comma-separated names) runs a subset; the ratio columns need
 ``hf_eager_gathered`` and ``hf_static_gathered``.
 
@@ -49,13 +50,14 @@ PARTIAL = os.path.join(os.environ.get("OUT", HERE), "decode_partial.jsonl")
 ALL_CONFIGS = ("hf_eager_gathered", "hf_static_gathered", "hf_zero3_static_loop", "hf_zero3_graphs", "hf_zero3_graphs1",
                "hf_zero3_graphs_unfused", "hf_zero3_graphs_torch_attention", "hf_zero3_graphs_cublas_mlp", "hf_zero3_graphs_eager_prefill",
                "hf_zero3_graphs_no_split", "hf_zero3_graphs_fused_rope", "hf_zero3_graphs_kernel_always",
-               "hf_zero3_graphs_sync1", "layerwise")
+               "hf_zero3_graphs_sync1", "hf_zero3_graphs_sync1_ahead", "hf_zero3_graphs_ahead", "layerwise")
 CONFIGS = tuple(c for c in os.environ.get("BENCH_CONFIGS", ",".join(ALL_CONFIGS)).split(",") if c)
 GRAPH_STEPS = {"hf_zero3_static_loop": 0, "hf_zero3_graphs": 8, "hf_zero3_graphs1": 1, "hf_zero3_graphs_unfused": 8,
                "hf_zero3_graphs_torch_attention": 8, "hf_zero3_graphs_cublas_mlp": 8,
                "hf_zero3_graphs_eager_prefill": 8, "hf_zero3_graphs_no_split": 8, "hf_zero3_graphs_fused_rope": 8,
-               "hf_zero3_graphs_kernel_always": 8, "hf_zero3_graphs_sync1": 8}
-SYNC_EVERY = {"hf_zero3_graphs_sync1": 1}  # lockstep's and Zero3Safe's default: a stop agreement every step
+               "hf_zero3_graphs_kernel_always": 8, "hf_zero3_graphs_sync1": 8, "hf_zero3_graphs_sync1_ahead": 8,
+               "hf_zero3_graphs_ahead": 8}
+SYNC_EVERY = {"hf_zero3_graphs_sync1": 1, "hf_zero3_graphs_sync1_ahead": 1}  # lockstep's and Zero3Safe's default: a stop agreement every step
 
 
 def rank_main():
@@ -104,6 +106,7 @@ def rank_main():
             os.environ["HF_ZERO3_COMPILE_PREFILL"] = "0" if name == "hf_zero3_graphs_eager_prefill" else "1"
             os.environ["HF_ZERO3_SPLIT_K"] = "0" if name == "hf_zero3_graphs_no_split" else "1"
             os.environ["HF_ZERO3_FUSE_ROPE"] = "1" if name == "hf_zero3_graphs_fused_rope" else "0"
+            os.environ["HF_ZERO3_RUN_AHEAD"] = "1" if name.endswith("_ahead") else "0"
             for rep in range(2):
                 mark(f"batch {batch} {name} rep {rep}")
                 kw = dict(input_ids=ids, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0, eos_token_id=None)

@@ -15,7 +15,7 @@ timeout 110 python3 -m pytest -q -s -m gpu tests/gpu/test_compiled_decode_gpu.py
 tail -1 $OUT/gpu_test.log | cut -c1-300; grep -m8 "^E  \|^graphs:\|hf_zero3 lockstep" $OUT/gpu_test.log | cut -c1-500
 timeout 90 python3 benchmarks/generation/attention_probe.py > $OUT/attention_probe.log 2>&1; echo "attention probe rc=$? at ${SECONDS}s"
 cp benchmarks/generation/attention_probe.json $OUT/ 2>/dev/null; grep "^|" $OUT/attention_probe.log | cut -c1-200
-export BENCH_CONFIGS=hf_eager_gathered,hf_static_gathered,hf_zero3_graphs,hf_zero3_graphs_fused_rope,hf_zero3_graphs_sync1
+export BENCH_CONFIGS=hf_eager_gathered,hf_static_gathered,hf_zero3_graphs,hf_zero3_graphs_fused_rope,hf_zero3_graphs_sync1,hf_zero3_graphs_sync1_ahead,hf_zero3_graphs_ahead
 left=$((${CALL_LIMIT:-590} - SECONDS - 150))
 BENCH_BATCHES=64 timeout $left python3 benchmarks/generation/bench_decode.py > $OUT/bench_decode.log 2>&1; echo "decode rc=$? at ${SECONDS}s"
 cp benchmarks/generation/decode.json $OUT/ 2>/dev/null; cp $OUT/decode_partial.jsonl $OUT/partial.jsonl 2>/dev/null
