@@ -31,8 +31,8 @@ from .._upstream import transformers as hf_up
 from ..kernels import gqa_decode
 from . import _switch
 
-__all__ = ["NAME", "KERNEL", "attention", "kernel_attention", "applies", "choice", "use", "rope_enabled", "rope_plan", "rope_bind",
-           "rope_use", "advance"]
+__all__ = ["NAME", "KERNEL", "attention", "kernel_attention", "applies", "choice", "use", "rope_enabled",
+           "rope_plan", "rope_bind", "rope_use", "advance"]
 
 NAME = "hf_zero3_gqa_decode"
 KERNEL = gqa_decode.NAME
@@ -161,9 +161,9 @@ def _rope_module(m) -> bool:
 
 
 def rope_enabled() -> bool:
-    """Opt-in (``HF_ZERO3_FUSE_ROPE=1``) until it has run on a GPU: built and tested on CPU under
-    Triton's interpreter (kernel, a real Llama's steps, the compiled static loop), not yet compiled
-    by Triton for a GPU or measured (see benchmarks/RESULTS.md)."""
+    """Opt-in (``HF_ZERO3_FUSE_ROPE=1``) until it has run on a GPU: tested on CPU under Triton's
+    interpreter (kernel, a real Llama's steps, the compiled static loop) and compiled ahead of time
+    for sm_90, not yet run or measured on a GPU (see benchmarks/RESULTS.md)."""
     return _switch.on("HF_ZERO3_FUSE_ROPE", default=False)
 
 
