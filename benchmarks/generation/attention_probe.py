@@ -19,7 +19,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from common import save, table  # noqa: E402
+from common import graph_us, save, table  # noqa: E402
 
 LAYERS, REPLAYS, HEADS, KV, DIM, LENGTH, POS = 16, 20, 32, 8, 64, 192, 128
 SETTINGS = [dict(BLOCK=b, num_warps=w, num_stages=s) for b, w, s in [
@@ -41,24 +41,7 @@ def main():
     rows = []
 
     def timed(fn, n):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for i in range(2):
-                fn(i)
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            outs = [fn(i) for i in range(n)]
-        g.replay()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(REPLAYS):
-            g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) * 1e3 / (REPLAYS * n), outs
+        return graph_us([lambda i=i: fn(i) for i in range(n)], REPLAYS)
 
     for batch in (64, 8):
         g = torch.Generator(device=dev).manual_seed(batch)

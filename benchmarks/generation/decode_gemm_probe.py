@@ -20,7 +20,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from common import save, table  # noqa: E402
+from common import graph_us, save, table  # noqa: E402
 
 COPIES, REPLAYS = 16, 20
 SHAPES = [("qkv", 3072, 2048, False), ("o_proj", 2048, 2048, False), ("gate_up_silu", 8192, 2048, True),
@@ -42,24 +42,7 @@ def main():
     rows = []
 
     def timed(fn, args_list):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for a in args_list[:2]:
-                fn(*a)
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            outs = [fn(*a) for a in args_list]
-        g.replay()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(REPLAYS):
-            g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) * 1e3 / (REPLAYS * len(args_list)), outs
+        return graph_us([lambda a=a: fn(*a) for a in args_list], REPLAYS)
 
     for name, n, k, pair in SHAPES:
         weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]

@@ -314,15 +314,9 @@ def _timeline(hf_zero3, engine, ids) -> dict:
         name = min(inner, key=lambda lab: lab.time_range.end - lab.time_range.start).name if inner else "(none)"
         by_label[name] += e - s
     big = sorted(gaps, key=lambda g: g[0] - g[1])[:25]
-    kernels = collections.defaultdict(lambda: [0, 0.0])
-    for e in events:
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[e.name[:100]][0] += 1
-            kernels[e.name[:100]][1] += e.time_range.elapsed_us()
-    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:24]
+    kernels = _kernels(prof, 1, 24)
     return dict(call_ms=(t1 - t0) / 1e3, gpu_busy_ms=busy / 1e3, gpu_idle_ms=sum(e - s for s, e in gaps) / 1e3,
-                gaps=len(gaps), kernels=sum(c for c, _ in kernels.values()),
-                top_kernels=[(k, c, round(us)) for k, (c, us) in top], idle_by_phase_ms={k: round(v / 1e3, 3) for k, v in by_label.most_common()},
+                gaps=len(gaps), kernels=kernels["kernels"], top_kernels=kernels["top"], idle_by_phase_ms={k: round(v / 1e3, 3) for k, v in by_label.most_common()},
                 largest=[dict(at_ms=round((s - t0) / 1e3, 3), us=round(e - s), labels=during(s, e, labels, 3),
                               host=during(s, e, tops, 4)) for s, e in big])
 

@@ -285,6 +285,16 @@ def _build():
     return op
 
 
+def _inputs(query, key, value, attention_mask, length: int) -> tuple:
+    """What both ops take: the three tensors with unit last strides, the mask over ``length`` cache
+    positions and its kind (0 none, 1 boolean, 2 additive)."""
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    if attention_mask is None:
+        return query, key, value, query.new_ones(1, 1, 1, 1, dtype=torch.bool).expand(1, 1, 1, length), 0
+    mask = attention_mask[..., :length]
+    return query, key, value, mask, 1 if mask.dtype == torch.bool else 2
+
+
 def gqa_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                          scaling: float) -> torch.Tensor:
     """``query`` (batch, heads, 1, dim), ``key``/``value`` (batch, kv_heads, length, dim), a
@@ -293,17 +303,7 @@ def gqa_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     first."""
     op = _state["op"] if "op" in _state else load()
     length = key.shape[-2]
-    if attention_mask is None:
-        mask, kind = query.new_ones(1, 1, 1, 1, dtype=torch.bool).expand(1, 1, 1, length), 0
-    else:
-        mask = attention_mask[..., :length]
-        kind = 1 if mask.dtype == torch.bool else 2
-    if query.stride(-1) != 1:
-        query = query.contiguous()
-    if key.stride(-1) != 1:
-        key = key.contiguous()
-    if value.stride(-1) != 1:
-        value = value.contiguous()
+    query, key, value, mask, kind = _inputs(query, key, value, attention_mask, length)
     return op(query, key, value, mask, kind, float(scaling))
 
 
@@ -323,16 +323,6 @@ def rope_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
     if "rope_op" not in _state:
         load()
     length = key_cache.shape[-2]
-    if attention_mask is None:
-        mask, kind = query.new_ones(1, 1, 1, 1, dtype=torch.bool).expand(1, 1, 1, length), 0
-    else:
-        mask = attention_mask[..., :length]
-        kind = 1 if mask.dtype == torch.bool else 2
-    if query.stride(-1) != 1:
-        query = query.contiguous()
-    if key.stride(-1) != 1:
-        key = key.contiguous()
-    if value.stride(-1) != 1:
-        value = value.contiguous()
+    query, key, value, mask, kind = _inputs(query, key, value, attention_mask, length)
     return _state["rope_op"](query, key, value, cos, sin, key_cache, value_cache, position.view(1), mask, kind,
                              float(scaling))
