@@ -188,7 +188,8 @@ def _build():
         qp = tl.load(qrow + partner[None, :], mask=qmask, other=0.0).to(tl.float32)
         q = (q * cos[None, :] + sign[None, :] * qp * sin[None, :]).to(Q.dtype.element_ty)
         # the new token's own score from registers (its cache row was just written by this program)
-        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale
+        # float32 whatever the scale arrives as (inductor's fp64 would make the loop's state fp64)
+        s_new = (tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale).to(tl.float32)
         if MASK == 1:
             own = tl.load(M + b * smb + pos * sms) != 0
         elif MASK == 2:
