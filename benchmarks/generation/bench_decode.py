@@ -1,18 +1,14 @@
 """Rollout decode speed with the whole model gathered (issue #14): layer-wise lockstep, HF eager
 gathered (TRL's ``unwrap_model_for_generation`` + ``generate``: all parameters gathered, ZeRO-3's
 hooks off, here through ``hf_zero3.eval_forward(gather="all")``), transformers' static cache as is,
-and lockstep's compiled decode (``decode="compiled"``: hf_zero3's static loop without CUDA graphs,
-with graphs of 8 steps and of 1 step, a stop agreement every 8 steps; and with graphs of 8 steps
-without the fused q/k/v projections, ``HF_ZERO3_FUSE_QKV=0``, with the PyTorch decode attention
-instead of the Triton kernel, ``HF_ZERO3_TRITON_ATTENTION=0``, or with cuBLAS for the MLP instead
-of hf_zero3's Triton GEMMs, ``HF_ZERO3_TRITON_MLP=0``, with cuBLAS for down and o_proj instead of
-the split-K kernel, ``HF_ZERO3_SPLIT_K=0``, with the prompt's forward eager,
-``HF_ZERO3_COMPILE_PREFILL=0``, with the rotary embedding and the cache write inside the Triton
-attention (opt-in, ``HF_ZERO3_FUSE_ROPE=1``), with the Triton attention at every
-batch, ``HF_ZERO3_TRITON_ATTENTION=always``, or with a stop agreement every step, ``sync_every=1``:
-lockstep's default, where each step's graph waits for the agreement before it; and both with the
-step after each agreement queued before it, ``HF_ZERO3_RUN_AHEAD=1``), same run, batch 8 and 64, 128 new
-tokens. ``BENCH_CONFIGS`` (comma-separated names) runs a subset; the ratio columns need
+and lockstep's compiled decode (``decode="compiled"``): hf_zero3's static loop at the library's
+defaults (``hf_zero3_graphs``: CUDA graphs of 8 steps, a stop agreement every 8 steps), and one
+row per switch that differs from them (``OURS``: graphs of 1 step or none, the q/k/v projections
+unfused, the PyTorch decode attention or the Triton one at every batch, cuBLAS for the MLP or for
+down and o_proj, the prompt's forward eager, the rotary embedding and cache write inside the
+Triton attention on or off, stop agreements run ahead on or off, and ``sync_every=1``: lockstep's
+default, a stop agreement before every step), same run, batch 8 and 64, 128 new tokens.
+``BENCH_CONFIGS`` (comma-separated names) runs a subset; the ratio columns need
 ``hf_eager_gathered`` and ``hf_static_gathered``.
 
 Rows end at rank-dependent lengths: ``useful_tokens`` counts each row up to its own target length
@@ -22,11 +18,14 @@ any configuration). (A Python stopping criterion would move every configuration 
 transformers' loop, so the lengths are applied in the count, not in the loop.)
 
 Model: Llama-3.2-1B shape in code (random weights, bf16) under ZeRO-3 on every GPU (up to 2).
-Each configuration runs twice; the first call's extra time is reported as compile seconds, the
-second is measured (a repeated rollout: the static loop replays the graphs its first call
-captured, ``graphs_reused``). ``floor_tok_s``: batch / (bf16 weight bytes / HBM bandwidth), the
-tokens/s a decode step that only streams the weights once would reach (BENCH_HBM_TBPS, default
-4.3 TB/s); ``fraction_of_floor`` counts every row of every step (``step_tokens_per_s``), as the
+Each configuration runs once to compile, then ``BENCH_REPS`` more times (default 3; HF eager and
+per-layer, which take seconds, once); ``seconds`` is the median of those (a repeated rollout: the
+static loop replays the graphs its first call captured, ``graphs_reused``), ``seconds_all`` every
+one, and the first call's extra time over the median is reported as compile seconds. A
+configuration named twice in ``BENCH_CONFIGS`` is measured twice (the second row's name gets
+``#2``): the drift of the host between the two. ``floor_tok_s``: batch / (bf16 weight bytes / HBM
+bandwidth), the tokens/s a decode step that only streams the weights once would reach
+(BENCH_HBM_TBPS, default 4.3 TB/s); ``fraction_of_floor`` counts every row of every step (``step_tokens_per_s``), as the
 floor does, ``useful_fraction_of_floor`` each row up to its own length.
 Run: python benchmarks/generation/bench_decode.py   (GPU only; BENCH_BATCHES=8,64)
 """
@@ -35,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -43,21 +43,42 @@ sys.path.insert(0, os.path.dirname(HERE))
 from common import llama_1b_config, save, table, world_and_backend  # noqa: E402
 
 MAX_NEW = int(os.environ.get("BENCH_MAX_NEW", 128))
+REPS = int(os.environ.get("BENCH_REPS", 3))  # timed calls after the compiling one
 BATCHES = [int(b) for b in os.environ.get("BENCH_BATCHES", "8,64").split(",")]
 PROMPT = 64
 PARTIAL = os.path.join(os.environ.get("OUT", HERE), "decode_partial.jsonl")
+# hf_zero3 rows: name -> (graph_steps, sync_every, switches set for the row); every other
+# HF_ZERO3_* switch is unset, so it runs at the library's default
+_ON, _OFF = "1", "0"
+OURS = {
+    "hf_zero3_static_loop": (0, 8, {}),
+    "hf_zero3_graphs": (8, 8, {}),  # the library's defaults
+    "hf_zero3_graphs1": (1, 8, {}),
+    "hf_zero3_graphs_unfused": (8, 8, {"HF_ZERO3_FUSE_QKV": _OFF}),
+    "hf_zero3_graphs_torch_attention": (8, 8, {"HF_ZERO3_TRITON_ATTENTION": _OFF}),
+    "hf_zero3_graphs_kernel_always": (8, 8, {"HF_ZERO3_TRITON_ATTENTION": "always"}),
+    "hf_zero3_graphs_cublas_mlp": (8, 8, {"HF_ZERO3_TRITON_MLP": _OFF}),
+    "hf_zero3_graphs_eager_prefill": (8, 8, {"HF_ZERO3_COMPILE_PREFILL": _OFF}),
+    "hf_zero3_graphs_no_split": (8, 8, {"HF_ZERO3_SPLIT_K": _OFF}),
+    "hf_zero3_graphs_fused_rope": (8, 8, {"HF_ZERO3_FUSE_ROPE": _ON}),
+    "hf_zero3_graphs_no_rope": (8, 8, {"HF_ZERO3_FUSE_ROPE": _OFF}),
+    "hf_zero3_graphs_rope_always": (8, 8, {"HF_ZERO3_FUSE_ROPE": _ON, "HF_ZERO3_TRITON_ATTENTION": "always"}),
+    "hf_zero3_graphs_ahead": (8, 8, {"HF_ZERO3_RUN_AHEAD": _ON}),
+    "hf_zero3_graphs_no_ahead": (8, 8, {"HF_ZERO3_RUN_AHEAD": _OFF}),
+    "hf_zero3_graphs_rope_ahead": (8, 8, {"HF_ZERO3_FUSE_ROPE": _ON, "HF_ZERO3_RUN_AHEAD": _ON}),
+    # a stop agreement every step: lockstep's and Zero3Safe's default
+    "hf_zero3_graphs_sync1": (8, 1, {}),
+    "hf_zero3_graphs_sync1_ahead": (8, 1, {"HF_ZERO3_RUN_AHEAD": _ON}),
+    "hf_zero3_graphs_sync1_no_ahead": (8, 1, {"HF_ZERO3_RUN_AHEAD": _OFF}),
+    "hf_zero3_graphs_sync1_rope_ahead": (8, 1, {"HF_ZERO3_FUSE_ROPE": _ON, "HF_ZERO3_RUN_AHEAD": _ON}),
+}
+SWITCHES = sorted({k for *_, env in OURS.values() for k in env})
 # the slow per-layer baseline last, so that a run cut short still has the main comparison
-ALL_CONFIGS = ("hf_eager_gathered", "hf_static_gathered", "hf_zero3_static_loop", "hf_zero3_graphs", "hf_zero3_graphs1",
-               "hf_zero3_graphs_unfused", "hf_zero3_graphs_torch_attention", "hf_zero3_graphs_cublas_mlp", "hf_zero3_graphs_eager_prefill",
-               "hf_zero3_graphs_no_split", "hf_zero3_graphs_fused_rope", "hf_zero3_graphs_kernel_always",
-               "hf_zero3_graphs_sync1", "hf_zero3_graphs_sync1_ahead", "hf_zero3_graphs_ahead", "layerwise")
+ALL_CONFIGS = ("hf_eager_gathered", "hf_static_gathered", *OURS, "layerwise")
 CONFIGS = tuple(c for c in os.environ.get("BENCH_CONFIGS", ",".join(ALL_CONFIGS)).split(",") if c)
-GRAPH_STEPS = {"hf_zero3_static_loop": 0, "hf_zero3_graphs": 8, "hf_zero3_graphs1": 1, "hf_zero3_graphs_unfused": 8,
-               "hf_zero3_graphs_torch_attention": 8, "hf_zero3_graphs_cublas_mlp": 8,
-               "hf_zero3_graphs_eager_prefill": 8, "hf_zero3_graphs_no_split": 8, "hf_zero3_graphs_fused_rope": 8,
-               "hf_zero3_graphs_kernel_always": 8, "hf_zero3_graphs_sync1": 8, "hf_zero3_graphs_sync1_ahead": 8,
-               "hf_zero3_graphs_ahead": 8}
-SYNC_EVERY = {"hf_zero3_graphs_sync1": 1, "hf_zero3_graphs_sync1_ahead": 1}  # lockstep's and Zero3Safe's default: a stop agreement every step
+_unknown = sorted(set(CONFIGS) - set(ALL_CONFIGS))
+if _unknown:
+    raise SystemExit(f"BENCH_CONFIGS names unknown configurations {_unknown}; known: {', '.join(ALL_CONFIGS)}")
 
 
 def rank_main():
@@ -80,9 +101,10 @@ def rank_main():
     def generate(name, kw):
         if name == "layerwise":
             return hf_zero3.lockstep_generate(engine, gather="layerwise", sync_every=4, **kw)
-        if name.startswith("hf_zero3"):
-            return hf_zero3.lockstep_generate(engine, gather="all", sync_every=SYNC_EVERY.get(name, 8), decode="compiled",
-                                              graph_steps=GRAPH_STEPS[name], **kw)
+        if name in OURS:
+            steps, every, _ = OURS[name]
+            return hf_zero3.lockstep_generate(engine, gather="all", sync_every=every, decode="compiled",
+                                              graph_steps=steps, **kw)
         # TRL's unwrap_model_for_generation: the whole model gathered and ZeRO-3's hooks off
         # (GatheredParameters + remove_hooks), then transformers' own generate()
         with hf_zero3.eval_forward(engine, gather="all"):
@@ -96,18 +118,17 @@ def rank_main():
         targets = torch.randint(MAX_NEW // 4, MAX_NEW + 1, (batch,), generator=g)
         targets[0] = MAX_NEW if rank == 0 else targets[0]
         useful = int(targets.sum())
+        seen = set()
         for name in CONFIGS:
+            label = name if name not in seen else f"{name}#2"
+            seen.add(name)
             times, outs = [], []
             hf_zero3.release_decode_graphs(module)  # each configuration builds its own loop
-            os.environ["HF_ZERO3_FUSE_QKV"] = "0" if name == "hf_zero3_graphs_unfused" else "1"
-            os.environ["HF_ZERO3_TRITON_ATTENTION"] = {"hf_zero3_graphs_torch_attention": "0",
-                                                       "hf_zero3_graphs_kernel_always": "always"}.get(name, "auto")
-            os.environ["HF_ZERO3_TRITON_MLP"] = "0" if name == "hf_zero3_graphs_cublas_mlp" else "1"
-            os.environ["HF_ZERO3_COMPILE_PREFILL"] = "0" if name == "hf_zero3_graphs_eager_prefill" else "1"
-            os.environ["HF_ZERO3_SPLIT_K"] = "0" if name == "hf_zero3_graphs_no_split" else "1"
-            os.environ["HF_ZERO3_FUSE_ROPE"] = "1" if name == "hf_zero3_graphs_fused_rope" else "0"
-            os.environ["HF_ZERO3_RUN_AHEAD"] = "1" if name.endswith("_ahead") else "0"
-            for rep in range(2):
+            for switch in SWITCHES:
+                os.environ.pop(switch, None)
+            os.environ.update(OURS[name][2] if name in OURS else {})
+            # the seconds-long baselines (HF eager, per-layer) are timed once
+            for rep in range(1 + (REPS if name.startswith("hf_zero3") or name == "hf_static_gathered" else 1)):
                 mark(f"batch {batch} {name} rep {rep}")
                 kw = dict(input_ids=ids, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0, eos_token_id=None)
                 dist.barrier()
@@ -119,12 +140,15 @@ def rank_main():
                 times.append(time.perf_counter() - t)
                 if rep == 0:
                     first_capture = getattr(getattr(module, "hf_zero3_last_generate", None), "graph_capture_s", None)
-            tot = torch.tensor([useful, times[1]], dtype=torch.float64, device=dev)
+            timed = sorted(times[1:])
+            median = statistics.median(timed)
+            tot = torch.tensor([useful, median, timed[0]], dtype=torch.float64, device=dev)
             dist.all_reduce(tot)
             stats = module.hf_zero3_last_generate if name.startswith("hf_zero3") or name == "layerwise" else None
             ours = stats if name.startswith("hf_zero3") else None  # the static loop's own fields
-            rows.append(dict(batch=batch, config=name, seconds=tot[1].item() / dist.get_world_size(),
-                             useful_tokens=int(tot[0].item()), compile_s=max(0.0, times[0] - times[1]),
+            rows.append(dict(batch=batch, config=label, seconds=tot[1].item() / dist.get_world_size(),
+                             seconds_min=tot[2].item() / dist.get_world_size(), seconds_all=times[1:],
+                             useful_tokens=int(tot[0].item()), compile_s=max(0.0, times[0] - median),
                              decode=getattr(ours, "decode", None), loop=getattr(ours, "loop", None),
                              graph_steps=getattr(ours, "graph_steps", None),
                              capture_s=getattr(ours, "graph_capture_s", None),
@@ -133,7 +157,7 @@ def rank_main():
                              fused_projections=getattr(ours, "fused_projections", None),
                              mlp_kernels=getattr(ours, "mlp_kernels", None), split_k=getattr(ours, "split_k", None),
                              prefill=getattr(ours, "prefill", None), rope_attention=getattr(ours, "rope_attention", None),
-                             same_tokens_both_calls=bool(torch.equal(outs[0], outs[1])),
+                             same_tokens_both_calls=all(torch.equal(outs[0], o) for o in outs[1:]),
                              forwards=getattr(stats, "forwards", None), compiles=getattr(stats, "compiles", None),
                              weight_bytes=n_bytes))
             if rank == 0:  # as it is measured: a run cut short keeps its rows
@@ -171,7 +195,7 @@ def main():
     setup = dict(world=world, max_new_tokens=MAX_NEW, prompt=PROMPT, batches=BATCHES)
     path = save("decode", {"setup": setup, "rows": rows}, HERE)
     print(setup)
-    print(table(rows, ["batch", "config", "decode", "loop", "graph_steps", "fused_projections", "attention", "mlp_kernels", "forwards", "seconds", "capture_s", "first_call_capture_s", "graphs_reused", "tokens_per_s",
+    print(table(rows, ["batch", "config", "decode", "loop", "graph_steps", "fused_projections", "attention", "mlp_kernels", "forwards", "seconds", "seconds_min", "capture_s", "first_call_capture_s", "graphs_reused", "tokens_per_s",
                        "step_tokens_per_s", "compile_s", "fraction_of_floor",
                        "vs_hf_eager_gathered", "vs_hf_static"]))
     print(f"raw numbers: {path}")

@@ -582,8 +582,10 @@ def release(model=None) -> None:
 class _Runner:
     """Runs one call's decode steps. A loop's first step ever runs uncaptured (it compiles the
     forward, and it is the warm-up CUDA-graph capture needs; a real step, its token kept); on CUDA
-    the rest replay CUDA graphs of ``graph_steps`` steps and of one step (for the remainders),
-    each captured once per loop and replayed by later calls while the parameters, the cache and
+    the rest replay CUDA graphs of ``graph_steps`` steps and of each shorter run between two stop
+    agreements the calls meet (the first window after the prompt's token; with run-ahead, the
+    step queued before an agreement and the rest of its window: at most ``graph_steps`` graphs,
+    one memory pool), each captured once per loop and replayed by later calls while the parameters, the cache and
     the model's state are those they were captured with; on CPU, or with ``graph_steps=0``, steps
     run one by one."""
 
@@ -628,7 +630,7 @@ class _Runner:
                 self.loop.step()
                 n -= 1
                 continue
-            size = self.graph_steps if n >= self.graph_steps else 1
+            size = min(n, self.graph_steps)
             g = self.loop.graphs.get(size)
             if g is None:
                 try:
