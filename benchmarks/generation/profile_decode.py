@@ -11,7 +11,8 @@ also profiles one prefill (GPU busy time and top kernels against its wall time) 
 functions of one whole warm call (cProfile, top cumulative).
 ``PROFILE_TIMELINE=1`` instead traces one warm call (host and GPU, no syncs added) and prints the
 GPU's idle time inside it: the total, and the largest gaps with the host work that ran during each
-(labelled phases of hf_zero3's call and the top-level host ops).
+(labelled phases of hf_zero3's call and the top-level host ops), and the call's kernels; once per
+``PROFILE_VARIANTS`` entry (switches and ``sync_every``, see ``_variants``), same process.
 Run: python benchmarks/generation/profile_decode.py   (GPU only; PROFILE_MODES=default,max-autotune,combo)
 """
 
@@ -56,13 +57,18 @@ def rank_main():
         for batch in BATCHES:
             g = torch.Generator().manual_seed(batch)
             ids = torch.randint(3, cfg.vocab_size, (batch, PROMPT), generator=g).to(dev)
-            for _ in range(2):  # compile, then one warm call
-                t = time.perf_counter()
-                _call(hf_zero3, engine, ids)
-                torch.cuda.synchronize()
-                emit(what="warmup", batch=batch, seconds=time.perf_counter() - t,
-                     graphs_reused=module.hf_zero3_last_generate.graphs_reused)
-            emit(what="timeline", batch=batch, **_timeline(hf_zero3, engine, ids))
+            for variant, every, switches in _variants():
+                hf_zero3.release_decode_graphs(module)
+                for k in {k for _, _, sw in _variants() for k in sw}:
+                    os.environ.pop(k, None)
+                os.environ.update(switches)
+                for _ in range(3):  # compile, then warm calls (a graph's first replays upload it)
+                    t = time.perf_counter()
+                    _call(hf_zero3, engine, ids, every)
+                    torch.cuda.synchronize()
+                    emit(what="warmup", variant=variant, batch=batch, seconds=time.perf_counter() - t,
+                         graphs_reused=module.hf_zero3_last_generate.graphs_reused)
+                emit(what="timeline", variant=variant, batch=batch, **_timeline(hf_zero3, engine, ids, every))
         return rows
 
     timers = collections.defaultdict(float)
@@ -232,15 +238,27 @@ _LABELS = (("hf_zero3.generation.lockstep", "_Call", "begin"), ("hf_zero3.genera
            "GatheredParameters", "__enter__"), ("deepspeed.runtime.zero.partition_parameters", "GatheredParameters", "__exit__"))
 
 
-def _call(hf_zero3, engine, ids) -> None:
+def _variants() -> list[tuple[str, int, dict]]:
+    """``PROFILE_VARIANTS``: ``name[:sync=N][,SWITCH=VALUE...]`` separated by ``;`` (default: the
+    library's defaults at sync_every=8), e.g. ``default;ahead:HF_ZERO3_RUN_AHEAD=1;sync1:sync=1``."""
+    out = []
+    for item in os.environ.get("PROFILE_VARIANTS", "default").split(";"):
+        name, _, rest = item.partition(":")
+        settings = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
+        out.append((name, int(settings.pop("sync", 8)), settings))
+    return out
+
+
+def _call(hf_zero3, engine, ids, sync_every: int = 8) -> None:
     import torch
 
     with torch.no_grad():
         hf_zero3.lockstep_generate(engine, input_ids=ids, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0,
-                                   eos_token_id=None, gather="all", sync_every=8, decode="compiled", graph_steps=8)
+                                   eos_token_id=None, gather="all", sync_every=sync_every, decode="compiled",
+                                   graph_steps=8)
 
 
-def _timeline(hf_zero3, engine, ids) -> dict:
+def _timeline(hf_zero3, engine, ids, sync_every: int = 8) -> dict:
     """One warm call traced (host and GPU): the GPU's idle time and what the host did meanwhile."""
     import functools
     import importlib
@@ -270,7 +288,7 @@ def _timeline(hf_zero3, engine, ids) -> dict:
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             with record_function("hz3:call"):
-                _call(hf_zero3, engine, ids)
+                _call(hf_zero3, engine, ids, sync_every)
             torch.cuda.synchronize()
     finally:
         for owner, attr, fn in undo:
