@@ -130,8 +130,8 @@ def use(model, name: str | None = NAME):
 # (:func:`gqa_decode.rope_decode_attention`) that rotates the query and the new key, writes the key
 # and the value at the cache's fill count and attends; the loop advances every such layer's fill
 # count in one op after the step's forward (:func:`advance`), as ``StaticLayer.update`` would have
-# one by one. ``HF_ZERO3_FUSE_ROPE=1`` turns it on (read when a decode loop is built; opt-in until
-# measured on a GPU: :func:`rope_enabled`).
+# one by one. ``HF_ZERO3_FUSE_ROPE=1`` turns it on (read when a decode loop is built; opt-in, it
+# did not pay on a GPU: :func:`rope_enabled`).
 
 _ROPE_FORWARDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # attention module -> its decode forward
 
@@ -161,9 +161,10 @@ def _rope_module(m) -> bool:
 
 
 def rope_enabled() -> bool:
-    """Opt-in (``HF_ZERO3_FUSE_ROPE=1``) until it has run on a GPU: tested on CPU under Triton's
-    interpreter (kernel, a real Llama's steps, the compiled static loop) and compiled ahead of time
-    for sm_90, not yet run or measured on a GPU (see benchmarks/RESULTS.md)."""
+    """Opt-in (``HF_ZERO3_FUSE_ROPE=1``): correct on 1×H200 (its GPU tests pass) and faster alone
+    (13.4 against 19.1 us a batch-64 layer), but a rollout was no faster with it: inside the
+    compiled step inductor still builds the kernel's mask, cos and sin inputs in three kernels per
+    layer (benchmarks/RESULTS.md, session 14)."""
     return _switch.on("HF_ZERO3_FUSE_ROPE", default=False)
 
 

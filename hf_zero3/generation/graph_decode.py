@@ -180,7 +180,8 @@ def _compiled_call(cls):
 
 
 def ahead_enabled() -> bool:
-    """Stop agreements run ahead (``HF_ZERO3_RUN_AHEAD=1``, opt-in until measured on a GPU): at
+    """Stop agreements run ahead (``HF_ZERO3_RUN_AHEAD=1``, opt-in: on 1×H200 no reliable gain,
+    benchmarks/RESULTS.md session 14): at
     each agreement the next decode step is queued first and the agreement reads the flag of the
     steps before it, so the host's agreement (~0.25-0.3 ms over gloo, benchmarks/RESULTS.md) and
     the next graph's launch overlap a step on the GPU instead of idling it; at the agreed stop the
