@@ -32,7 +32,7 @@ from ..kernels import gqa_decode
 from . import _switch
 
 __all__ = ["NAME", "KERNEL", "attention", "kernel_attention", "applies", "choice", "use", "rope_enabled",
-           "rope_plan", "rope_bind", "rope_use", "advance"]
+           "rope_plan", "rope_bind", "rope_rotaries", "rope_use", "advance"]
 
 NAME = "hf_zero3_gqa_decode"
 KERNEL = gqa_decode.NAME
@@ -133,7 +133,38 @@ def use(model, name: str | None = NAME):
 # one by one. ``HF_ZERO3_FUSE_ROPE=1`` turns it on (read when a decode loop is built; opt-in, it
 # did not pay on a GPU: :func:`rope_enabled`).
 
+# What the one kernel reads besides the layer's own tensors, the same for every layer of a step.
+# Under torch.compile inductor inlines a cheap pointwise producer into each consumer, and a
+# Triton kernel's input is a buffer: the causal mask transformers builds from the padding mask and
+# the rotary embedding's cos and sin rows were built again for every layer (three kernels a layer,
+# 1xH200 trace in benchmarks/RESULTS.md, session 14). So the kernel reads the loop's own 2-D
+# padding mask in place (a step's input: nothing to build; the kernel never reads past the new
+# token, so the causal part needs no mask), and cos/sin leave the rotary embedding through an
+# opaque op (their own buffers, once per step).
 _ROPE_FORWARDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # attention module -> its decode forward
+_ROTARY_FORWARDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # rotary embedding -> its decode forward
+_STEP: dict = {"padding": None}  # inside rope_use: the loop's 2-D padding mask
+
+
+@torch.library.custom_op("hf_zero3::decode_rotary_rows", mutates_args=())
+def _rotary_rows(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary embedding's cos and sin as buffers of their own: an op inductor cannot inline, so
+    every layer's kernel reads the step's one copy instead of a copy built for it."""
+    return cos.clone(), sin.clone()
+
+
+@_rotary_rows.register_fake
+def _(cos, sin):
+    return torch.empty_like(cos), torch.empty_like(sin)
+
+
+def _llama_rotary_forwards() -> tuple:
+    """The rotary embeddings whose output :func:`rope_use` routes through :func:`_rotary_rows`."""
+    try:
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    except ImportError:
+        return ()
+    return (LlamaRotaryEmbedding.forward,)
 
 
 def _llama_forwards() -> tuple:
@@ -163,8 +194,9 @@ def _rope_module(m) -> bool:
 def rope_enabled() -> bool:
     """Opt-in (``HF_ZERO3_FUSE_ROPE=1``): correct on 1×H200 (its GPU tests pass) and faster alone
     (13.4 against 19.1 us a batch-64 layer), but a rollout was no faster with it: inside the
-    compiled step inductor still builds the kernel's mask, cos and sin inputs in three kernels per
-    layer (benchmarks/RESULTS.md, session 14)."""
+    compiled step inductor built the kernel's mask, cos and sin inputs in three kernels per layer
+    (benchmarks/RESULTS.md, session 14). The step now reads the loop's padding mask and one cos/sin
+    buffer instead (see ``_STEP``), CPU-tested, not yet measured on a GPU."""
     return _switch.on("HF_ZERO3_FUSE_ROPE", default=False)
 
 
@@ -199,11 +231,32 @@ def rope_bind(model, names: tuple[str, ...], cache) -> list:
     return bound
 
 
+def rope_rotaries(model) -> list:
+    """``model``'s Llama rotary embeddings (their decode output made a buffer by :func:`rope_use`)."""
+    forwards = _llama_rotary_forwards()
+    return [m for m in model.modules()
+            if type(m).forward in forwards and "forward" not in vars(m) and not m._forward_hooks
+            and not m._forward_pre_hooks]
+
+
+def _plain_causal(config) -> bool:
+    """A model whose decode mask is causal plus padding (no sliding window, no other layer kinds):
+    the one kernel may read the loop's padding mask in its place."""
+    kinds = getattr(config, "layer_types", None) or ()
+    return not getattr(config, "sliding_window", None) and all(k == "full_attention" for k in kinds)
+
+
+def _padding_fits(mask, b: int, length: int) -> bool:
+    return (mask.dim() == 2 and mask.shape[0] in (1, b) and mask.shape[1] >= length and mask.stride(-1) == 1
+            and (mask.dtype == torch.bool or not mask.dtype.is_floating_point))
+
+
 def _rope_fits(m, hidden, cos, sin, layer, mask) -> bool:
     """The step's tensors are what :func:`gqa_decode.rope_decode_attention` computes: one token,
     the cache's dtype (no autocast), one (batch or 1, 1, head dim) cos/sin row per row, whole groups
-    of query heads per cache head, head dims up to 256, :func:`gqa_decode.supports`' masks, a
-    device Triton runs on. Shapes, dtypes and strides only: facts a trace specializes on."""
+    of query heads per cache head, head dims up to 256, :func:`gqa_decode.supports`' masks or a 2-D
+    padding mask, a device Triton runs on. Shapes, dtypes and strides only: facts a trace
+    specializes on."""
     b, d = hidden.shape[0], m.head_dim
     keys, values = layer.keys, layer.values
     if hidden.dim() != 3 or hidden.shape[1] != 1 or hidden.dtype != keys.dtype or values.dtype != keys.dtype:
@@ -221,8 +274,9 @@ def _rope_fits(m, hidden, cos, sin, layer, mask) -> bool:
             or values.shape[:2] != keys.shape[:2] or m.v_proj.out_features != kv * values.shape[-1]
             or values.shape[-1] > 256):
         return False
-    return mask is None or (mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == 1
-                            and mask.shape[-1] >= keys.shape[-2] and mask.shape[0] in (1, b))
+    return mask is None or _padding_fits(mask, b, keys.shape[-2]) or (
+        mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == 1 and mask.shape[-1] >= keys.shape[-2]
+        and mask.shape[0] in (1, b))
 
 
 def _rope_forward(module):
@@ -233,8 +287,13 @@ def _rope_forward(module):
         m = ref()
         layers = getattr(past_key_values, "layers", None)
         layer = layers[m.layer_idx] if layers is not None and m.layer_idx < len(layers) else None
+        mask = attention_mask
+        padding = _STEP["padding"]
+        if (padding is not None and layer is not None and _plain_causal(m.config)
+                and _padding_fits(padding, hidden_states.shape[0], layer.keys.shape[-2])):
+            mask = padding  # what transformers' mask was built from, read in place
         if (layer is None or position_embeddings is None or kwargs.get("output_attentions")
-                or not _rope_fits(m, hidden_states, *position_embeddings, layer, attention_mask)):
+                or not _rope_fits(m, hidden_states, *position_embeddings, layer, mask)):
             out = own(m, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
             if layer is not None and hidden_states.shape[1] == 1:
                 layer.cumulative_length.sub_(1)  # the loop's advance() counts this layer's step
@@ -245,27 +304,44 @@ def _rope_forward(module):
         v = m.v_proj(hidden_states).view(b, k.shape[1], -1)
         cos, sin = position_embeddings
         out = gqa_decode.rope_decode_attention(q, k, v, cos.view(cos.shape[0], d), sin.view(sin.shape[0], d),
-                                               layer.keys, layer.values, layer.cumulative_length, attention_mask,
+                                               layer.keys, layer.values, layer.cumulative_length, mask,
                                                m.scaling)
         return m.o_proj(out.reshape(b, 1, -1)), None
 
     return forward
 
 
+def _rotary_forward(module):
+    ref = weakref.ref(module)
+    own = type(module).forward
+
+    def forward(x, position_ids, *args, **kwargs):
+        return _rotary_rows(*own(ref(), x, position_ids, *args, **kwargs))
+
+    return forward
+
+
 @contextlib.contextmanager
-def rope_use(modules: list):
+def rope_use(modules: list, padding_mask: torch.Tensor | None = None, rotaries: list = ()):
     """Inside: ``modules`` (:func:`rope_bind`) run their decode forward through the one kernel;
-    the caller calls :func:`advance` after the step's forward."""
+    the caller calls :func:`advance` after the step's forward. ``padding_mask``: the step's 2-D
+    attention mask over the whole cache (the static loop's), which the kernel then reads instead
+    of transformers' causal mask; ``rotaries`` (:func:`rope_rotaries`): rotary embeddings whose
+    cos/sin become one buffer each per step. Both only where ``modules`` is not empty."""
     patched = []
     try:
-        for m in modules:
-            fn = _ROPE_FORWARDS.get(m)
-            if fn is None:
-                fn = _ROPE_FORWARDS[m] = _rope_forward(m)
-            m.forward = fn
-            patched.append(m)
+        if modules:
+            for m, forwards, make in ([(m, _ROPE_FORWARDS, _rope_forward) for m in modules]
+                                      + [(r, _ROTARY_FORWARDS, _rotary_forward) for r in rotaries]):
+                fn = forwards.get(m)
+                if fn is None:
+                    fn = forwards[m] = make(m)
+                m.forward = fn
+                patched.append(m)
+            _STEP["padding"] = padding_mask
         yield
     finally:
+        _STEP["padding"] = None
         for m in patched:
             vars(m).pop("forward", None)
 

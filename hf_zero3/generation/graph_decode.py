@@ -328,6 +328,7 @@ class _Loop:
         self.mlp_layers = self.split_layers = 0  # MLPs, split-K projections: the call's stats
         self.rope = rope  # attention modules whose steps rotate, write the cache and attend in one kernel
         self.rope_bound: list = []  # this call's (decode_attention.rope_bind, after bind_cache)
+        self.rotaries: list = []  # this call's rotary embeddings beside them (decode_attention.rope_rotaries)
         self.rope_layers = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # steps per graph -> graph
         self.cache_ptrs = None  # the cache tensors the graphs were captured with
@@ -367,7 +368,7 @@ class _Loop:
 
     def end(self) -> None:
         self.fused.free()
-        self.mlp_bound, self.rope_bound = [], []
+        self.mlp_bound, self.rope_bound, self.rotaries = [], [], []
         self.model = self.cache = self.prompt = self.processors = self.call = None
 
     def bind_cache(self) -> None:
@@ -402,7 +403,7 @@ class _Loop:
         kwargs = dict(input_ids=self.tok.view(-1, 1), attention_mask=self.mask, position_ids=self.pos.view(-1, 1),
                       past_key_values=self.cache, use_cache=True, **self.extra)
         with (decode_attention.use(self.model, self.attention), self.fused.use(),
-              decode_mlp.use(self.mlp_bound, self.split), decode_attention.rope_use(self.rope_bound),
+              decode_mlp.use(self.mlp_bound, self.split), decode_attention.rope_use(self.rope_bound, self.mask, self.rotaries),
               hf_up.input_grad_hooks_suspended(self.model), ds_up.engine_forward_hooks_suspended(self.model)):
             try:
                 out = self.call(self.model, **kwargs)
@@ -674,6 +675,7 @@ def decode(model, call, input_ids, logits_processor, stopping_criteria, generati
         loop.bind_cache()
         loop.rope_bound = decode_attention.rope_bind(model, loop.rope, cache)  # the counters bind_cache kept
         loop.rope_layers = len(loop.rope_bound)
+        loop.rotaries = decode_attention.rope_rotaries(model) if loop.rope_bound else []
         every, fixed = call.cfg.sync_every, call.cfg.stop == "fixed"
         ahead = not fixed and ahead_enabled()
         tokens = 1  # the prefill chose token 1; before forward k + 1 the loop asks to go on (k = tokens)

@@ -43,6 +43,10 @@ def main():
             cases.append((f"gqa_decode_rope_attention mask={mask} scale={scale}", jit["rope"],
                           dict(Q="*bf16", KN="*bf16", VN="*bf16", COS="*bf16", SIN="*bf16", KC="*bf16",
                                VC="*bf16", P="*i64", M=m, O="*bf16"), {**attention, "MASK": mask}, scale))
+    # the decode loop's own 2-D padding mask (int64, nonzero attends), read in place
+    cases.append(("gqa_decode_rope_attention padding mask scale=fp64", jit["rope"],
+                  dict(Q="*bf16", KN="*bf16", VN="*bf16", COS="*bf16", SIN="*bf16", KC="*bf16", VC="*bf16",
+                       P="*i64", M="*i64", O="*bf16"), {**attention, "MASK": 1}, "fp64"))
     tiles = dict(K=2048, BLOCK_M=64, BLOCK_N=32, BLOCK_K=128)
     cases += [("decode_linear", gemm.linear_kernel, dict(X="*bf16", W="*bf16", O="*bf16"), tiles, None),
               ("decode_gate_up_silu", gemm.gate_up_kernel, dict(X="*bf16", WG="*bf16", WU="*bf16", O="*bf16"), tiles,

@@ -168,7 +168,12 @@ def test_rope_kernel_equals_rotary_cache_write_and_attention(batch, heads, kv, d
     ref_k.index_copy_(2, at, kr)
     ref_v.index_copy_(2, at, v[:, :, None])
     ref, _ = attention(None, qr, ref_k, ref_v, keep, scaling=dim ** -0.5)
-    for mask in (keep, torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)):
+    # the loop's 2-D padding mask (int64, over the whole cache, ones after the prompt): the kernel
+    # reads no position after the new token, so it is the causal mask too
+    padding = torch.ones(batch, length, dtype=torch.long)
+    for i in range(batch):
+        padding[i, : min(2 * i, pos)] = 0
+    for mask in (keep, torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min), padding):
         got_k, got_v = kc.clone(), vc.clone()
         counter = torch.tensor(pos)  # a StaticLayer's fill count: 0-dim int64
         out = gqa_decode.rope_decode_attention(q, k, v, cos, sin, got_k, got_v, counter, mask, dim ** -0.5)
@@ -189,8 +194,9 @@ def test_rope_kernel_equals_rotary_cache_write_and_attention(batch, heads, kv, d
 
 def test_llama_decode_steps_with_the_rope_kernel_match_its_own_attention(monkeypatch):
     """A real Llama with transformers' StaticCache: two decode steps through the modules' one-kernel
-    decode forward (the fill counts advanced once per step, after the forward) give the logits, the
-    cache contents and the fill counts of the model's own steps."""
+    decode forward (the fill counts advanced once per step, after the forward), reading
+    transformers' mask or the loop's 2-D padding mask with the rotary rows made buffers, give the
+    logits, the cache contents and the fill counts of the model's own steps."""
     from transformers import StaticCache
 
     from hf_zero3.generation import decode_attention
@@ -205,31 +211,46 @@ def test_llama_decode_steps_with_the_rope_kernel_match_its_own_attention(monkeyp
     assert decode_attention.rope_plan(model, decode_attention.NAME) == ()  # only with the kernel
     ids = torch.tensor([[0, 0, 5, 6, 7, 8], [3, 4, 5, 6, 7, 9]])
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    rotaries = decode_attention.rope_rotaries(model)
+    assert len(rotaries) == 1  # the model's one rotary embedding
+    from hf_zero3.kernels import gqa_decode
+
+    masks, real = [], gqa_decode.rope_decode_attention  # the mask each kernel call reads
+    monkeypatch.setattr(gqa_decode, "rope_decode_attention", lambda *a: masks.append(a[8].dim()) or real(*a))
     runs = {}
-    for fused in (False, True):
+    # unfused; fused reading transformers' mask; fused reading the loop's 2-D padding mask over the
+    # whole cache (as the static loop passes it) with the rotary rows made one buffer each
+    for case in ("own", "fused", "padding"):
         cache = StaticCache(config=model.config, max_cache_len=80)
         logits, step_mask = [], mask
+        whole = torch.ones(2, 80, dtype=mask.dtype)
+        whole[:, : mask.shape[1]] = mask
         with torch.no_grad():
             model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
-            bound = decode_attention.rope_bind(model, names, cache) if fused else []
-            assert len(bound) == (len(names) if fused else 0)
+            bound = decode_attention.rope_bind(model, names, cache) if case != "own" else []
+            assert len(bound) == (len(names) if case != "own" else 0)
+            extra = dict(padding_mask=whole, rotaries=rotaries) if case == "padding" else {}
             for tok in ([[11], [12]], [[13], [14]]):
                 step_mask = torch.cat([step_mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
                 positions = (step_mask.cumsum(-1) - 1)[:, -1:]
-                with decode_attention.use(model, decode_attention.KERNEL), decode_attention.rope_use(bound):
-                    out = model(input_ids=torch.tensor(tok), attention_mask=step_mask, position_ids=positions,
-                                past_key_values=cache, use_cache=True)
+                with decode_attention.use(model, decode_attention.KERNEL), decode_attention.rope_use(bound, **extra):
+                    out = model(input_ids=torch.tensor(tok), attention_mask=whole if extra else step_mask,
+                                position_ids=positions, past_key_values=cache, use_cache=True)
                 decode_attention.advance(bound, cache)
                 logits.append(out.logits)
-        assert all("forward" not in vars(m) for m in bound)  # unpatched after the step
-        runs[fused] = (logits, [(layer.keys.clone(), layer.values.clone(), int(layer.cumulative_length))
-                                for layer in cache.layers])
-    for a, b in zip(runs[True][0], runs[False][0]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    for (k1, v1, n1), (k2, v2, n2) in zip(runs[True][1], runs[False][1]):
-        assert n1 == n2 == 8
-        torch.testing.assert_close(k1, k2, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-6)
+        assert all("forward" not in vars(m) for m in bound + rotaries)  # unpatched after the step
+        assert decode_attention._STEP["padding"] is None
+        assert masks == {"own": [], "fused": [4] * 2 * len(names), "padding": [2] * 2 * len(names)}[case]
+        masks.clear()
+        runs[case] = (logits, [(layer.keys.clone(), layer.values.clone(), int(layer.cumulative_length))
+                               for layer in cache.layers])
+    for case in ("fused", "padding"):
+        for a, b in zip(runs[case][0], runs["own"][0]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        for (k1, v1, n1), (k2, v2, n2) in zip(runs[case][1], runs["own"][1]):
+            assert n1 == n2 == 8
+            torch.testing.assert_close(k1, k2, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-6)
 
 
 def test_the_decode_switches_read_on_and_opt_in(monkeypatch):

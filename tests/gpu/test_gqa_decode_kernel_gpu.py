@@ -139,3 +139,57 @@ def test_rope_kernel_compiled_and_replayed_writes_the_cache_in_place():
     graph.replay()  # at 100 again: the counter read at replay
     torch.testing.assert_close(out, expected)
     assert torch.equal(ck, eager_k) and torch.equal(cv, eager_v) and int(cn) == 101
+
+
+
+def test_rope_inputs_are_built_once_a_step_not_once_a_layer():
+    """Several layers' rope kernels in one compiled step, reading the loop's 2-D padding mask and
+    cos/sin computed from the positions in the step (as the static loop's step does): with the
+    rotary rows through ``hf_zero3::decode_rotary_rows`` the kernels inductor generates to compute
+    cos/sin do not grow with the layer count, and are no more than without the op (session 14's
+    1xH200 trace: without it, three input-building kernels a layer). Same output as eager."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from hf_zero3.generation.decode_attention import _rotary_rows
+    from hf_zero3.kernels import gqa_decode
+
+    q, k, v, _, _, kc, vc, _ = _rope_case()
+    padding = torch.ones(kc.shape[0], kc.shape[2], dtype=torch.long, device="cuda")
+    for i in range(kc.shape[0]):
+        padding[i, : i % 7] = 0  # left padding; the kernel reads nothing after the new token
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, 64, 2, device="cuda", dtype=torch.float) / 64))
+    positions = torch.arange(kc.shape[0], device="cuda") % 5 + 95
+
+    def make(rotary_op):
+        def step(q, k, v, caches, counter, padding, positions):
+            freqs = positions[:, None].float() * inv_freq
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+            if rotary_op:
+                cos, sin = _rotary_rows(cos, sin)
+            outs = [gqa_decode.rope_decode_attention(q, k, v, cos, sin, kc_i, vc_i, counter, padding, 0.125)
+                    for kc_i, vc_i in caches]
+            return torch.stack(outs).sum(0)
+        return step
+
+    generated = {}
+    for rotary_op in (True, False):
+        step = make(rotary_op)
+        for layers in (2, 4):
+            caches = [(kc.clone(), vc.clone()) for _ in range(layers)]
+            expected = step(q, k, v, [(a.clone(), b.clone()) for a, b in caches],
+                            torch.tensor(100, device="cuda"), padding, positions)
+            torch._dynamo.reset()
+            out, code = run_and_get_code(torch.compile(step, fullgraph=True), q, k, v, caches,
+                                         torch.tensor(100, device="cuda"), padding, positions)
+            torch.testing.assert_close(out, expected)
+            for (ck, cv), (ek, ev) in zip(caches, [(kc, vc)] * layers):
+                assert not torch.equal(ck, ek) and torch.equal(ck[:, :, :100], ek[:, :, :100])  # wrote at 100
+            # inductor's own kernels computing cos or sin (the user kernel is @triton.jit'd apart)
+            src = "\n".join(code)
+            generated[rotary_op, layers] = len({m.group(1) for m in re.finditer(r"def (triton_\w+)\(", src)
+                                                if "cos" in m.group(1) or "sin" in m.group(1)})
+    print("kernels computing cos/sin, (rotary op, layers):", generated)
+    assert generated[True, 2] == generated[True, 4] <= generated[False, 4], generated
