@@ -181,13 +181,12 @@ def _compiled_call(cls):
 
 def ahead_enabled() -> bool:
     """Stop agreements run ahead (``HF_ZERO3_RUN_AHEAD=1``, opt-in: on 1×H200 no reliable gain,
-    benchmarks/RESULTS.md session 14): at
-    each agreement the next decode step is queued first and the agreement reads the flag of the
-    steps before it, so the host's agreement (~0.25-0.3 ms over gloo, benchmarks/RESULTS.md) and
-    the next graph's launch overlap a step on the GPU instead of idling it; at the agreed stop the
-    one step queued ahead is dropped (GPU work only: the agreements, the counted forwards and the
-    output are those of the loop without it). Worth most with ``sync_every=1`` (lockstep's
-    default: an agreement before every step)."""
+    benchmarks/RESULTS.md session 14): at each agreement the next decode step is queued first and
+    the agreement reads the flag of the steps before it, so the host's agreement (~0.25-0.3 ms
+    over gloo) and the next graph's launch overlap a step on the GPU instead of idling it; at the
+    agreed stop the one step queued ahead is dropped (GPU work only: the agreements, the counted
+    forwards and the output are those of the loop without it). Meant for ``sync_every=1``
+    (lockstep's default: an agreement before every step)."""
     return _switch.on("HF_ZERO3_RUN_AHEAD", default=False)
 
 
@@ -403,7 +402,8 @@ class _Loop:
         kwargs = dict(input_ids=self.tok.view(-1, 1), attention_mask=self.mask, position_ids=self.pos.view(-1, 1),
                       past_key_values=self.cache, use_cache=True, **self.extra)
         with (decode_attention.use(self.model, self.attention), self.fused.use(),
-              decode_mlp.use(self.mlp_bound, self.split), decode_attention.rope_use(self.rope_bound, self.mask, self.rotaries),
+              decode_mlp.use(self.mlp_bound, self.split),
+              decode_attention.rope_use(self.rope_bound, self.mask, self.rotaries),
               hf_up.input_grad_hooks_suspended(self.model), ds_up.engine_forward_hooks_suspended(self.model)):
             try:
                 out = self.call(self.model, **kwargs)
@@ -587,9 +587,9 @@ class _Runner:
     the rest replay CUDA graphs of ``graph_steps`` steps and of each shorter run between two stop
     agreements the calls meet (the first window after the prompt's token; with run-ahead, the
     step queued before an agreement and the rest of its window: at most ``graph_steps`` graphs,
-    one memory pool), each captured once per loop and replayed by later calls while the parameters, the cache and
-    the model's state are those they were captured with; on CPU, or with ``graph_steps=0``, steps
-    run one by one."""
+    one memory pool), each captured once per loop and replayed by later calls while the
+    parameters, the cache and the model's state are those they were captured with; on CPU, or
+    with ``graph_steps=0``, steps run one by one."""
 
     def __init__(self, loop: _Loop, graph_steps: int):
         self.loop = loop

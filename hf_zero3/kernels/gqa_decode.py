@@ -288,13 +288,10 @@ def _build():
 
 def _inputs(query, key, value, attention_mask, length: int) -> tuple:
     """What both ops take: the three tensors with unit last strides, the mask over ``length`` cache
-    positions and its kind (0 none, 1 attends where nonzero: a boolean mask or a 2-D padding mask,
-    2 additive)."""
+    positions and its kind (0 none, 1 boolean, 2 additive)."""
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     if attention_mask is None:
         return query, key, value, query.new_ones(1, 1, 1, 1, dtype=torch.bool).expand(1, 1, 1, length), 0
-    if attention_mask.dim() == 2:  # (batch or 1, >= length), read in place as (b, 1, 1, length)
-        return query, key, value, attention_mask[:, None, None, :length], 1
     mask = attention_mask[..., :length]
     return query, key, value, mask, 1 if mask.dtype == torch.bool else 2
 
@@ -321,13 +318,17 @@ def rope_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
     integer tensor: a static cache's fill count before this token) into ``key_cache`` /
     ``value_cache`` (batch, kv_heads, length, dim) and attends over the positions before it and
     itself, under ``attention_mask`` as :func:`gqa_decode_attention`, or a 2-D (batch or 1,
-    >= length) padding mask (integer or boolean, nonzero attends; the positions after the new
-    token are never read, so that is the causal mask too). Returns (batch, 1, heads, value dim). The caller advances the fill count and checks the shapes
+    >= length) padding mask (integer or boolean, nonzero attends; this kernel reads no position
+    after the new token, so that is the causal mask too). Returns (batch, 1, heads, value dim). The
+    caller advances the fill count and checks the shapes
     (``hf_zero3.generation.decode_attention._rope_fits``: one token, whole head groups, an even
-    head dim up to 256, :func:`supports`' masks)."""
+    head dim up to 256, :func:`supports`' masks or a padding mask)."""
     if "rope_op" not in _state:
         load()
     length = key_cache.shape[-2]
-    query, key, value, mask, kind = _inputs(query, key, value, attention_mask, length)
+    padding = attention_mask is not None and attention_mask.dim() == 2
+    query, key, value, mask, kind = _inputs(query, key, value, None if padding else attention_mask, length)
+    if padding:  # read in place as (rows, 1, 1, length), attending where nonzero
+        mask, kind = attention_mask[:, None, None, :length], 1
     return _state["rope_op"](query, key, value, cos, sin, key_cache, value_cache, position.view(1), mask, kind,
                              float(scaling))
