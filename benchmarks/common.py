@@ -47,6 +47,14 @@ def environment() -> dict:
     return env
 
 
+def set_switches(switches: dict, known) -> None:
+    """This row's ``HF_ZERO3_*`` switches set, every other one of ``known`` unset (so it runs at the
+    library's default): the decode benchmark's rows and the profile's variants."""
+    for name in known:
+        os.environ.pop(name, None)
+    os.environ.update(switches)
+
+
 def save(name: str, payload: dict, here: str) -> str:
     payload = {"environment": environment(), **payload}
     path = os.path.join(here, f"{name}.json")

@@ -25,8 +25,9 @@ one, and the first call's extra time over the median is reported as compile seco
 configuration named twice in ``BENCH_CONFIGS`` is measured twice (the second row's name gets
 ``#2``): the drift of the host between the two. ``floor_tok_s``: batch / (bf16 weight bytes / HBM
 bandwidth), the tokens/s a decode step that only streams the weights once would reach
-(BENCH_HBM_TBPS, default 4.3 TB/s); ``fraction_of_floor`` counts every row of every step (``step_tokens_per_s``), as the
-floor does, ``useful_fraction_of_floor`` each row up to its own length.
+(BENCH_HBM_TBPS, default 4.3 TB/s); ``fraction_of_floor`` counts every row of every step
+(``step_tokens_per_s``), as the floor does, ``useful_fraction_of_floor`` each row up to its own
+length.
 Run: python benchmarks/generation/bench_decode.py   (GPU only; BENCH_BATCHES=8,64)
 """
 
@@ -40,7 +41,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from common import llama_1b_config, save, table, world_and_backend  # noqa: E402
+from common import llama_1b_config, save, set_switches, table, world_and_backend  # noqa: E402
 
 MAX_NEW = int(os.environ.get("BENCH_MAX_NEW", 128))
 REPS = int(os.environ.get("BENCH_REPS", 3))  # timed calls after the compiling one
@@ -124,9 +125,7 @@ def rank_main():
             seen.add(name)
             times, outs = [], []
             hf_zero3.release_decode_graphs(module)  # each configuration builds its own loop
-            for switch in SWITCHES:
-                os.environ.pop(switch, None)
-            os.environ.update(OURS[name][2] if name in OURS else {})
+            set_switches(OURS[name][2] if name in OURS else {}, SWITCHES)
             # the seconds-long baselines (HF eager, per-layer) are timed once
             for rep in range(1 + (REPS if name.startswith("hf_zero3") or name == "hf_static_gathered" else 1)):
                 mark(f"batch {batch} {name} rep {rep}")

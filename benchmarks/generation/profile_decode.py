@@ -26,7 +26,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from common import llama_1b_config, save, world_and_backend  # noqa: E402
+from common import llama_1b_config, save, set_switches, world_and_backend  # noqa: E402
 
 MAX_NEW, PROMPT = 128, 64
 MODES = os.environ.get("PROFILE_MODES", "default,max-autotune").split(",")
@@ -57,11 +57,10 @@ def rank_main():
         for batch in BATCHES:
             g = torch.Generator().manual_seed(batch)
             ids = torch.randint(3, cfg.vocab_size, (batch, PROMPT), generator=g).to(dev)
-            for variant, every, switches in _variants():
+            variants = _variants()
+            for variant, every, switches in variants:
                 hf_zero3.release_decode_graphs(module)
-                for k in {k for _, _, sw in _variants() for k in sw}:
-                    os.environ.pop(k, None)
-                os.environ.update(switches)
+                set_switches(switches, {k for _, _, sw in variants for k in sw})
                 for _ in range(3):  # compile, then warm calls (a graph's first replays upload it)
                     t = time.perf_counter()
                     _call(hf_zero3, engine, ids, every)
