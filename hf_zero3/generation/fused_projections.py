@@ -58,8 +58,11 @@ def _forward(slot: _Slot, name: str, own: nn.Linear):
             if slot.out:  # a sibling called with another input: this one computes its own
                 mod = own_ref()
                 return F.linear(x, mod.weight, mod.bias)
+            # the parts stay views of the one GEMM's output (a decode step's rows are one token, so
+            # every view its attention takes of them exists): a copy per part was three kernels a
+            # layer in front of the fused rope kernel, which reads them through their strides
             parts = F.linear(x, slot.weight, slot.bias).split(slot.sizes, dim=-1)
-            slot.x, slot.out = x, {n: p.contiguous() for n, p in zip(slot.names, parts)}
+            slot.x, slot.out = x, dict(zip(slot.names, parts))
         y = slot.out.pop(name)
         if not slot.out:
             slot.x = None  # nothing of the step outlives it
