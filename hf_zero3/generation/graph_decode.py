@@ -466,7 +466,9 @@ class _Loop:
         return torch.cat([self.prompt, self.out[:, :own]], dim=-1), done_at
 
 
-_SCALARS = (bool, int, float, str, type(None))
+_SCALARS = frozenset((bool, int, float, str, type(None)))
+# nn.Module's own tables (parameters, buffers, submodules, hooks): never plain state (hooks are counted)
+_MODULE_TABLES = frozenset(k for k, v in vars(torch.nn.Module()).items() if isinstance(v, dict))
 
 
 _SMALL = 16  # elements: a cache tensor this small is a counter, handed back rather than compared
@@ -481,21 +483,24 @@ def _tensor_ptrs(obj, big: bool = False) -> tuple:
 def _plain_state(obj, skip=None) -> tuple:
     """An object's plain attributes (flags, names, sizes: what Dynamo specializes a graph on),
     without those ``skip(name)`` is true for. One pass over ``vars(obj)``, type checks before any
-    call: it runs over every module of the model once per call."""
+    call, ``nn.Module``'s own tables (parameters, submodules, hooks: never plain) passed over by
+    name: it runs over every module of the model once per call, while the prompt's forward runs."""
     items = []
-    scalars = _SCALARS
+    scalars, tables = _SCALARS, _MODULE_TABLES
     for k, v in vars(obj).items():
         t = type(v)
-        if t in scalars:
-            pass
-        elif t is list or t is tuple or isinstance(v, (list, tuple)):
-            if not all(type(x) is str for x in v):
+        if t not in scalars:
+            if k in tables:
                 continue
-            v = tuple(v)
-        elif isinstance(v, dict) and v and all(type(x) is str for x in v) and all(type(x) in scalars for x in v.values()):
-            v = tuple(sorted(v.items()))  # PEFT's per-adapter scaling, r, lora_alpha
-        else:
-            continue
+            if t is list or t is tuple or isinstance(v, (list, tuple)):
+                if not all(type(x) is str for x in v):
+                    continue
+                v = tuple(v)
+            elif (isinstance(v, dict) and v and all(type(x) in scalars for x in v.values())
+                  and all(type(x) is str for x in v)):
+                v = tuple(sorted(v.items()))  # PEFT's per-adapter scaling, r, lora_alpha
+            else:
+                continue
         if skip is None or not skip(k):
             items.append((k, v))
     return tuple(items)
