@@ -130,8 +130,8 @@ def use(model, name: str | None = NAME):
 # (:func:`gqa_decode.rope_decode_attention`) that rotates the query and the new key, writes the key
 # and the value at the cache's fill count and attends; the loop advances every such layer's fill
 # count in one op after the step's forward (:func:`advance`), as ``StaticLayer.update`` would have
-# one by one. ``HF_ZERO3_FUSE_ROPE=1`` turns it on (read when a decode loop is built; opt-in, it
-# did not pay on a GPU: :func:`rope_enabled`).
+# one by one. On by default; ``HF_ZERO3_FUSE_ROPE=0`` turns it off (read when a decode loop is
+# built; :func:`rope_enabled` says what it measured).
 
 # What the one kernel reads besides the layer's own tensors, the same for every layer of a step.
 # Under torch.compile inductor inlines a cheap pointwise producer into each consumer, and a
@@ -192,12 +192,13 @@ def _rope_module(m) -> bool:
 
 
 def rope_enabled() -> bool:
-    """Opt-in (``HF_ZERO3_FUSE_ROPE=1``): correct on 1×H200 (its GPU tests pass) and faster alone
-    (13.4 against 19.1 us a batch-64 layer), but a rollout was no faster with it: inside the
-    compiled step inductor built the kernel's mask, cos and sin inputs in three kernels per layer
-    (benchmarks/RESULTS.md, session 14). The step now reads the loop's padding mask and one cos/sin
-    buffer instead (see ``_STEP``), CPU-tested, not yet measured on a GPU."""
-    return _switch.on("HF_ZERO3_FUSE_ROPE", default=False)
+    """On unless ``HF_ZERO3_FUSE_ROPE=0``. On 1×H200 at batch 64 (benchmarks/RESULTS.md, session
+    15) a decode step runs 64 kernels fewer with it (128 a step instead of 192) and a traced
+    rollout's GPU time drops 5 %; timed, it was 2.2-2.8 % faster in two pairs of rows of one run.
+    (Session 14 it did not pay: inductor still built the kernel's mask, cos and sin inputs and the
+    fused q/k/v projection's copies in front of it, six kernels a layer; the step now reads the
+    loop's padding mask, one cos/sin buffer and the projection's parts in place.)"""
+    return _switch.on("HF_ZERO3_FUSE_ROPE")
 
 
 def rope_plan(model, attention: str | None) -> tuple[str, ...]:

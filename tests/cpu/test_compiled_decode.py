@@ -262,10 +262,10 @@ def _static_loop_batches_rank():
 
     run("eager", decode="eager")
     run("compiled", decode="compiled")
-    # the Triton attention kernel as on a GPU that it pays on (here Triton's interpreter): with
-    # HF_ZERO3_FUSE_ROPE=1 the steps rotate, write the cache and attend in one kernel per layer, the
-    # fill counts advanced after the forward; unset (the default) the model's rotary embedding and
-    # cache update stay beside the kernel
+    # the Triton attention kernel as on a GPU that it pays on (here Triton's interpreter): by
+    # default the steps rotate, write the cache and attend in one kernel per layer, the fill counts
+    # advanced after the forward; with HF_ZERO3_FUSE_ROPE=0 the model's rotary embedding and cache
+    # update stay beside the kernel
     from hf_zero3.generation import decode_attention
     from hf_zero3.kernels import gqa_decode
 
@@ -273,13 +273,14 @@ def _static_loop_batches_rank():
         choice = decode_attention.choice
         decode_attention.choice = lambda model, device, rows: decode_attention.KERNEL
         try:
-            os.environ["HF_ZERO3_FUSE_ROPE"] = "1"
+            os.environ.pop("HF_ZERO3_FUSE_ROPE", None)  # the default
+            run("rope_kernel", decode="compiled")
+            run("rope_kernel_again", decode="compiled")
+            os.environ["HF_ZERO3_FUSE_ROPE"] = "0"
             try:
-                run("rope_kernel", decode="compiled")
-                run("rope_kernel_again", decode="compiled")
+                run("kernel_unfused_rope", decode="compiled")
             finally:
                 del os.environ["HF_ZERO3_FUSE_ROPE"]
-            run("kernel_unfused_rope", decode="compiled")
         finally:
             decode_attention.choice = choice
     # the same prompts sliced from a wider tensor (row stride != length, as a prompt cut from a
@@ -403,7 +404,7 @@ def test_static_loop_samples_the_tokens_eager_sampling_draws(batch_results):
 def test_the_rope_kernel_steps_give_eagers_tokens(batch_results):
     """Decode steps through the one-kernel rotary + cache write + attention (Triton's interpreter,
     compiled into the step as on a GPU) give eager decoding's tokens, compile nothing on a second
-    call; without HF_ZERO3_FUSE_ROPE=1 (opt-in) the same kernel attends without the fusion."""
+    call; with HF_ZERO3_FUSE_ROPE=0 the same kernel attends without the fusion."""
     from hf_zero3.generation.decode_attention import KERNEL
 
     if "rope_kernel" not in batch_results[0]:

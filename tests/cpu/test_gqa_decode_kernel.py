@@ -203,9 +203,9 @@ def test_llama_decode_steps_with_the_rope_kernel_match_its_own_attention(monkeyp
     from hf_zero3.testing import models
 
     model = models.plain_model(models.tiny_llama_config(attn_implementation="sdpa"))
-    monkeypatch.delenv("HF_ZERO3_FUSE_ROPE", raising=False)
-    assert decode_attention.rope_plan(model, decode_attention.KERNEL) == ()  # opt-in
-    monkeypatch.setenv("HF_ZERO3_FUSE_ROPE", "1")
+    monkeypatch.setenv("HF_ZERO3_FUSE_ROPE", "0")
+    assert decode_attention.rope_plan(model, decode_attention.KERNEL) == ()  # switched off
+    monkeypatch.delenv("HF_ZERO3_FUSE_ROPE", raising=False)  # on by default
     names = decode_attention.rope_plan(model, decode_attention.KERNEL)
     assert len(names) == model.config.num_hidden_layers
     assert decode_attention.rope_plan(model, decode_attention.NAME) == ()  # only with the kernel
@@ -254,8 +254,9 @@ def test_llama_decode_steps_with_the_rope_kernel_match_its_own_attention(monkeyp
 
 
 def test_the_decode_switches_read_on_and_opt_in(monkeypatch):
-    """On-by-default switches (HF_ZERO3_FUSE_QKV...) are off only for 0/false/no/off; the opt-in
-    HF_ZERO3_FUSE_ROPE is on only for 1/true/yes/on; unset or empty is the default."""
+    """On-by-default switches (HF_ZERO3_FUSE_QKV, HF_ZERO3_FUSE_ROPE...) are off only for
+    0/false/no/off; the opt-in HF_ZERO3_RUN_AHEAD is on only for 1/true/yes/on; unset or empty is
+    the default."""
     from hf_zero3.generation import _switch
 
     name = "HF_ZERO3_TEST_SWITCH"
@@ -265,3 +266,12 @@ def test_the_decode_switches_read_on_and_opt_in(monkeypatch):
                               ("1", True, True), ("TRUE", True, True), ("yes", True, True), ("2", True, False)):
         monkeypatch.setenv(name, value)
         assert (_switch.on(name), _switch.on(name, default=False)) == (on, opt_in), value
+    # the library's own defaults: the fused rope kernel on, run-ahead agreements opt-in
+    from hf_zero3.generation import decode_attention, graph_decode
+
+    for switch in ("HF_ZERO3_FUSE_ROPE", "HF_ZERO3_RUN_AHEAD"):
+        monkeypatch.delenv(switch, raising=False)
+    assert decode_attention.rope_enabled() and not graph_decode.ahead_enabled()
+    monkeypatch.setenv("HF_ZERO3_FUSE_ROPE", "off")
+    monkeypatch.setenv("HF_ZERO3_RUN_AHEAD", "on")
+    assert not decode_attention.rope_enabled() and graph_decode.ahead_enabled()

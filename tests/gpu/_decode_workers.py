@@ -18,7 +18,7 @@ def compiled_decode(new_tokens: int = 48):
     # the Triton decode attention also at this test's batch (4 rows x 8 key/value heads: fewer
     # programs than SMs, where "auto" keeps the PyTorch form), so the test runs it end to end
     os.environ["HF_ZERO3_TRITON_ATTENTION"] = "always"
-    os.environ["HF_ZERO3_FUSE_ROPE"] = "1"  # with the rotary embedding and cache write inside (opt-in)
+    os.environ.pop("HF_ZERO3_FUSE_ROPE", None)  # the default: the rotary embedding and cache write inside
 
     rank = dist.get_rank()
     engine = build(deepcompile=False, compile_=False, torch_adam=True)
