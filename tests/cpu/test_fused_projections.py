@@ -144,3 +144,25 @@ def test_layers_with_and_without_biases_and_the_switch_read_each_call(monkeypatc
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     monkeypatch.setenv("HF_ZERO3_FUSE_QKV", "0")  # a kept loop's plan stays; the next call's bind reads it
     assert fused.bind(model) == 0 and fused.ptr == 0
+
+
+def test_the_parts_are_views_of_one_gemm_not_copies():
+    """A fused layer's q, k and v are slices of one GEMM's output, read through their strides (a copy
+    each was three kernels a layer in front of the fused rope kernel on a GPU), equal to the
+    modules' own projections."""
+    from hf_zero3.generation import fused_projections as fp
+
+    model = _model()
+    fused = fp.Fused(fp.plan(model))
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(3, 1, model.config.hidden_size)
+    with torch.no_grad():
+        own = [getattr(attn, n)(x) for n in fp.NAMES]
+        assert fused.bind(model) > 0
+        with fused.use():
+            parts = [getattr(attn, n)(x) for n in fp.NAMES]
+    fused.free()
+    assert len({p.untyped_storage().data_ptr() for p in parts}) == 1
+    assert not any(p.is_contiguous() for p in parts)  # rows strided by the fused width
+    for got, ref in zip(parts, own):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
