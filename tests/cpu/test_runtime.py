@@ -134,3 +134,40 @@ def test_two_data_parallel_groups_agree_over_their_own_group_only():
         assert r["world_calls"] == 0 and r["other_calls"] == 0, r
         assert r["own_calls"] > 0
         assert r["generated"] == 3 + 4 + rank % 2  # each rank keeps its own max_new_tokens
+
+
+def _hook_tables_around_suspension():
+    import deepspeed
+
+    from hf_zero3 import zero3
+    from hf_zero3._upstream import deepspeed as ds_up
+    from hf_zero3.testing import models, strict_zero3_config
+
+    ds = strict_zero3_config(world_size=1)
+    model = models.plain_model(models.tiny_llama_config())  # built plainly, handed to initialize
+    engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
+    ids = ds_up.offload_hook_ids(ds_up.engine_offload(engine))
+    mods = list(engine.module.modules())
+    mixed, alone = mods[3], mods[5]  # a user hook beside DeepSpeed's on one; DeepSpeed's only on the other
+    has_ds = all(any(k in ids for k in m._forward_pre_hooks) for m in (mixed, alone))
+    user = mixed.register_forward_pre_hook(lambda m, a: None)
+    before = [[list(t) for _, t in ds_up.module_hook_dicts(m)] for m in mods]
+    with zero3.zero3_hooks_suspended(engine) as live:
+        inside_ds = sum(k in ids for m in mods for _, t in ds_up.module_hook_dicts(m) for k in t)
+        inside_user = user.id in mixed._forward_pre_hooks
+        user.remove()  # removed meanwhile: stays removed
+        added = alone.register_forward_pre_hook(lambda m, a: None)  # added meanwhile: stays, after
+    after = [[list(t) for _, t in ds_up.module_hook_dicts(m)] for m in mods]
+    expect = [[[k for k in t if k != user.id] for t in tables] for tables in before]
+    expect[mods.index(alone)][0].append(added.id)
+    return dict(has_ds=has_ds, live=live, inside_ds=inside_ds, inside_user=inside_user, ids=len(ids), same=after == expect,
+                ds_first=after[mods.index(alone)][0][:-1] == before[mods.index(alone)][0])
+
+
+def test_deepspeed_hooks_come_off_and_back_in_their_order():
+    """zero3_hooks_suspended on a real engine: inside, none of DeepSpeed's fetch/release hooks is on
+    any module and a user hook stays; after, every table holds its hooks in the original order, a
+    hook removed meanwhile stays removed and one added meanwhile comes after DeepSpeed's."""
+    r = run_ranks(_hook_tables_around_suspension, 1, init="deepspeed", timeout=120, pg_timeout=30)[0]
+    assert r["has_ds"] and r["live"] and r["ids"] > 0 and r["inside_ds"] == 0 and r["inside_user"]
+    assert r["same"] and r["ds_first"]
