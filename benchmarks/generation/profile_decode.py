@@ -13,14 +13,19 @@ functions of one whole warm call (cProfile, top cumulative).
 GPU's idle time inside it: the total, and the largest gaps with the host work that ran during each
 (labelled phases of hf_zero3's call and the top-level host ops), and the call's kernels; once per
 ``PROFILE_VARIANTS`` entry (switches and ``sync_every``, see ``_variants``), same process.
+``PROFILE_HOST=1`` instead runs three warm calls and one under cProfile (top functions by own and
+by cumulative time): where the host time of a call goes, outside the replayed steps.
 Run: python benchmarks/generation/profile_decode.py   (GPU only; PROFILE_MODES=default,max-autotune,combo)
 """
 
 from __future__ import annotations
 
 import collections
+import cProfile
+import io
 import json
 import os
+import pstats
 import sys
 import time
 
@@ -68,6 +73,28 @@ def rank_main():
                     emit(what="warmup", variant=variant, batch=batch, seconds=time.perf_counter() - t,
                          graphs_reused=module.hf_zero3_last_generate.graphs_reused)
                 emit(what="timeline", variant=variant, batch=batch, **_timeline(hf_zero3, engine, ids, every))
+        return rows
+
+    if os.environ.get("PROFILE_HOST") == "1":  # the host side of a warm call, nothing else
+        for batch in BATCHES:
+            g = torch.Generator().manual_seed(batch)
+            ids = torch.randint(3, cfg.vocab_size, (batch, PROMPT), generator=g).to(dev)
+            for _ in range(3):
+                t = time.perf_counter()
+                _call(hf_zero3, engine, ids)
+                torch.cuda.synchronize()
+                emit(what="warmup", batch=batch, seconds=time.perf_counter() - t)
+            pr = cProfile.Profile()
+            torch.cuda.synchronize()
+            pr.enable()
+            _call(hf_zero3, engine, ids)
+            torch.cuda.synchronize()
+            pr.disable()
+            for order, n in (("tottime", 40), ("cumulative", 70)):
+                buf = io.StringIO()
+                pstats.Stats(pr, stream=buf).sort_stats(order).print_stats(n)
+                lines = [ln.strip()[:170] for ln in buf.getvalue().splitlines() if ln.strip()]
+                emit(what=f"host_profile_{order}", batch=batch, top=lines[:n + 6])
         return rows
 
     timers = collections.defaultdict(float)
@@ -192,10 +219,6 @@ def rank_main():
             prof, wall = probe["prefill_result"]
             emit(what="prefill_kernels", mode=mode, batch=batch, wall_ms=wall * 1e3, **_kernels(prof, 1, 20))
             # the host side of one warm call: where the time outside the decode steps goes
-            import cProfile
-            import io
-            import pstats
-
             pr = cProfile.Profile()
             pr.enable()
             generate(batch, ids, 8)
