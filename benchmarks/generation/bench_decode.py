@@ -5,9 +5,10 @@ and lockstep's compiled decode (``decode="compiled"``): hf_zero3's static loop a
 defaults (``hf_zero3_graphs``: CUDA graphs of 8 steps, a stop agreement every 8 steps), and one
 row per switch that differs from them (``OURS``: graphs of 1 step or none, the q/k/v projections
 unfused, the PyTorch decode attention or the Triton one at every batch, cuBLAS for the MLP or for
-down and o_proj, the prompt's forward eager, the rotary embedding and cache write inside the
-Triton attention on or off, stop agreements run ahead on or off, and ``sync_every=1``: lockstep's
-default, a stop agreement before every step), same run, batch 8 and 64, 128 new tokens.
+down and o_proj, the prompt's forward eager or with a C++ wrapper, the rotary embedding and cache
+write inside the Triton attention on or off, stop agreements run ahead on or off, and
+``sync_every=1``: lockstep's default, a stop agreement before every step), same run, batch 8 and
+64, 128 new tokens.
 ``BENCH_CONFIGS`` (comma-separated names) runs a subset; the ratio columns need
 ``hf_eager_gathered`` and ``hf_static_gathered``.
 
@@ -60,6 +61,7 @@ OURS = {
     "hf_zero3_graphs_kernel_always": (8, 8, {"HF_ZERO3_TRITON_ATTENTION": "always"}),
     "hf_zero3_graphs_cublas_mlp": (8, 8, {"HF_ZERO3_TRITON_MLP": _OFF}),
     "hf_zero3_graphs_eager_prefill": (8, 8, {"HF_ZERO3_COMPILE_PREFILL": _OFF}),
+    "hf_zero3_graphs_cpp_prefill": (8, 8, {"HF_ZERO3_PREFILL_CPP_WRAPPER": _ON}),
     "hf_zero3_graphs_no_split": (8, 8, {"HF_ZERO3_SPLIT_K": _OFF}),
     "hf_zero3_graphs_fused_rope": (8, 8, {"HF_ZERO3_FUSE_ROPE": _ON}),
     "hf_zero3_graphs_no_rope": (8, 8, {"HF_ZERO3_FUSE_ROPE": _OFF}),

@@ -95,6 +95,7 @@ def rank_main():
                 pstats.Stats(pr, stream=buf).sort_stats(order).print_stats(n)
                 lines = [ln.strip()[:170] for ln in buf.getvalue().splitlines() if ln.strip()]
                 emit(what=f"host_profile_{order}", batch=batch, top=lines[:n + 6])
+            emit(what="prefill_host_ops", batch=batch, **_prefill_ops(hf_zero3, engine, ids))
         return rows
 
     timers = collections.defaultdict(float)
@@ -359,6 +360,43 @@ def _timeline(hf_zero3, engine, ids, sync_every: int = 8) -> dict:
                 gaps=len(gaps), kernels=kernels["kernels"], top_kernels=kernels["top"], idle_by_phase_ms={k: round(v / 1e3, 3) for k, v in by_label.most_common()},
                 largest=[dict(at_ms=round((s - t0) / 1e3, 3), us=round(e - s), labels=during(s, e, labels, 3),
                               host=during(s, e, tops, 4)) for s, e in big])
+
+
+def _prefill_ops(hf_zero3, engine, ids) -> dict:
+    """One warm call's prompt forward traced alone (host ops with their input shapes): which host
+    ops its time goes to, and every ``aten::copy_`` it issues (the host profile counted 34 copies
+    taking 8 ms of host time at batch 64, session 15)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from hf_zero3.generation import graph_decode as gd
+
+    own, seen = gd._prefill, {}
+
+    def traced(*a, **k):
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+            t = time.perf_counter()
+            out = own(*a, **k)
+            seen["host_ms"] = (time.perf_counter() - t) * 1e3
+            torch.cuda.synchronize()
+        seen["prof"] = prof
+        return out
+
+    gd._prefill = traced
+    try:
+        _call(hf_zero3, engine, ids)
+        torch.cuda.synchronize()
+    finally:
+        gd._prefill = own
+    prof = seen["prof"]
+    table = sorted(prof.key_averages(group_by_input_shape=True), key=lambda e: -e.self_cpu_time_total)[:30]
+    copies = [dict(shapes=str(e.input_shapes)[:160], host_us=round(e.time_range.elapsed_us(), 1),
+                   parent=e.cpu_parent.name[:80] if e.cpu_parent is not None else None)
+              for e in prof.events() if e.name == "aten::copy_"][:40]
+    return dict(host_ms=seen["host_ms"], top=[(e.key[:70], str(e.input_shapes)[:120], e.count,
+                                               round(e.self_cpu_time_total, 1)) for e in table],
+                copies=copies)
 
 
 def _kernels(prof, n: int, k: int) -> dict:
