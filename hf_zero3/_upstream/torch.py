@@ -23,6 +23,14 @@ def cuda_memory_fraction(device: torch.device) -> float:
         return 1.0
 
 
+def module_has(module: torch.nn.Module, name: str) -> bool:
+    """``hasattr(module, name)`` without ``nn.Module.__getattr__``'s failed lookup (it raises, and
+    the caller runs this over every module of a model once per generate call): the instance's own
+    attributes, its parameter, buffer and submodule tables, and its class."""
+    return (name in module.__dict__ or name in module._parameters or name in module._buffers
+            or name in module._modules or hasattr(type(module), name))
+
+
 def default_store():
     """The c10d store every rank joined through (the agreement diagnostics write positions there)."""
     from torch.distributed import distributed_c10d

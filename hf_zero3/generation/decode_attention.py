@@ -27,6 +27,7 @@ import weakref
 
 import torch
 
+from .._upstream import torch as torch_up
 from .._upstream import transformers as hf_up
 from ..kernels import gqa_decode
 from . import _switch
@@ -74,13 +75,6 @@ def kernel_attention(module, query, key, value, attention_mask, dropout: float =
     return gqa_decode.gqa_decode_attention(query, key, value, attention_mask, scale), None
 
 
-def _has_sinks(m) -> bool:
-    """``hasattr(m, "sinks")`` without the failed ``nn.Module.__getattr__`` (an exception per module:
-    this runs over every module once per call, on the host, while the prompt's forward runs)."""
-    return ("sinks" in m.__dict__ or "sinks" in m._parameters or "sinks" in m._buffers or "sinks" in m._modules
-            or hasattr(type(m), "sinks"))
-
-
 def applies(model) -> bool:
     """A GQA model that looks its attention up by name, with SDPA or eager attention, one config,
     and plain softmax attention: no logit soft-capping (Gemma 2/3) and no attention sinks
@@ -88,7 +82,9 @@ def applies(model) -> bool:
     cfg = getattr(model, "config", None)
     if cfg is None or not getattr(model, "_supports_attention_backend", False) or getattr(cfg, "sub_configs", None):
         return False
-    if getattr(cfg, "attn_logit_softcapping", None) is not None or any(map(_has_sinks, model.modules())):
+    if getattr(cfg, "attn_logit_softcapping", None) is not None:
+        return False
+    if any(torch_up.module_has(m, "sinks") for m in model.modules()):
         return False
     heads, kv = getattr(cfg, "num_attention_heads", None), getattr(cfg, "num_key_value_heads", None)
     return (getattr(cfg, "_attn_implementation", None) in _REPLACES and isinstance(heads, int)

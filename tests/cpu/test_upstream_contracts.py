@@ -313,6 +313,26 @@ def test_torch_store_group_timeout_and_compiled_call():
     assert torch_up.cuda_memory_fraction(torch.device("cpu")) == 1.0 or torch.cuda.is_available()
 
 
+def test_module_has_matches_hasattr():
+    """``module_has`` answers as ``hasattr`` for an instance attribute, a parameter, a buffer, a
+    submodule, a class attribute and a missing name (it reads torch's per-module tables)."""
+
+    class M(torch.nn.Module):
+        kind = "cls"
+
+        def __init__(self):
+            super().__init__()
+            self.flag = 1
+            self.sinks = torch.nn.Parameter(torch.zeros(2))
+            self.register_buffer("buf", torch.zeros(1))
+            self.child = torch.nn.Linear(2, 2)
+
+    m = M()
+    for name in ("flag", "sinks", "buf", "child", "kind", "forward", "missing"):
+        assert torch_up.module_has(m, name) == hasattr(m, name), name
+    assert not torch_up.module_has(torch.nn.Linear(2, 2), "sinks")
+
+
 def test_trl_trainer_methods_and_draw():
     import importlib
 
