@@ -198,9 +198,10 @@ def rope_enabled() -> bool:
     """On unless ``HF_ZERO3_FUSE_ROPE=0``. On 1×H200 at batch 64 (benchmarks/RESULTS.md, session
     15) a decode step runs 64 kernels fewer with it (128 a step instead of 192) and a traced
     rollout's GPU time drops 5 %; timed rollouts took 2.2-2.8 % (call 2) and 4.5-6.9 % (call 3) less
-    time than without it, rows of the same run. (Session 14 it did not pay: inductor still built the kernel's mask, cos and sin inputs and the
-    fused q/k/v projection's copies in front of it, six kernels a layer; the step now reads the
-    loop's padding mask, one cos/sin buffer and the projection's parts in place.)"""
+    time than without it, rows of the same run. (Session 14 it did not pay: inductor still built
+    the kernel's mask, cos and sin inputs and the fused q/k/v projection's copies in front of it,
+    six kernels a layer; the step now reads the loop's padding mask, one cos/sin buffer and the
+    projection's parts in place.)"""
     return _switch.on("HF_ZERO3_FUSE_ROPE")
 
 
