@@ -148,7 +148,8 @@ def _hook_tables_around_suspension():
     engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
     ids = ds_up.offload_hook_ids(ds_up.engine_offload(engine))
     mods = list(engine.module.modules())
-    mixed, alone = mods[3], mods[5]  # a user hook beside DeepSpeed's on one; DeepSpeed's only on the other
+    # a user hook beside DeepSpeed's on one module; DeepSpeed's only on the other
+    mixed, alone = mods[3], mods[5]
     has_ds = all(any(k in ids for k in m._forward_pre_hooks) for m in (mixed, alone))
     user = mixed.register_forward_pre_hook(lambda m, a: None)
     before = [[list(t) for _, t in ds_up.module_hook_dicts(m)] for m in mods]
@@ -160,7 +161,8 @@ def _hook_tables_around_suspension():
     after = [[list(t) for _, t in ds_up.module_hook_dicts(m)] for m in mods]
     expect = [[[k for k in t if k != user.id] for t in tables] for tables in before]
     expect[mods.index(alone)][0].append(added.id)
-    return dict(has_ds=has_ds, live=live, inside_ds=inside_ds, inside_user=inside_user, ids=len(ids), same=after == expect,
+    return dict(has_ds=has_ds, live=live, inside_ds=inside_ds, inside_user=inside_user, ids=len(ids),
+                same=after == expect,
                 ds_first=after[mods.index(alone)][0][:-1] == before[mods.index(alone)][0])
 
 
