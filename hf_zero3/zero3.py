@@ -7,13 +7,13 @@ model's :class:`~hf_zero3.runtime.Runtime` (which knows its engine): no heap sca
 from __future__ import annotations
 
 import contextlib
-from collections import OrderedDict
 from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
 
 from ._upstream import deepspeed as ds_up
+from ._upstream import torch as torch_up
 
 __all__ = [
     "unwrap", "engine_of", "is_zero3_param", "is_zero3_model", "zero3_params", "gather_group",
@@ -127,34 +127,10 @@ def zero3_hooks_suspended(model_or_engine) -> Iterator[bool]:
         yield False
         return
     ids = ds_up.offload_hook_ids(offload)
-    saved: list[tuple[dict, list, dict]] = []  # (live table, original key order, removed DS hooks)
-    # C-level dict work per table (it runs over every module twice per generate call or eval
-    # region: ~430 tables for a 16-layer Llama)
-    for m in ds_up.offload_module(offload).modules():
-        for _name, hooks in ds_up.module_hook_dicts(m):
-            if not hooks:
-                continue
-            order = list(hooks)
-            keys = [k for k in order if k in ids]
-            if keys:
-                saved.append((hooks, order, {k: hooks.pop(k) for k in keys}))
-    try:
-        yield bool(saved)
-    finally:
-        for live, order, removed in saved:
-            # DeepSpeed's hooks go back where they were; hooks removed meanwhile stay removed, hooks
-            # added meanwhile stay, after the original ones
-            if not live:  # the common case: DeepSpeed's were its only hooks, none added since
-                live.update(removed)
-                continue
-            current = OrderedDict(live)
-            live.clear()
-            for k in order:
-                if k in removed:
-                    live[k] = removed[k]
-                elif k in current:
-                    live[k] = current.pop(k)
-            live.update(current)
+    entries = [(hooks, k) for m in ds_up.offload_module(offload).modules()
+               for _name, hooks in ds_up.module_hook_dicts(m) for k in hooks if k in ids]
+    with torch_up.hooks_suspended(entries):
+        yield bool(entries)
 
 
 def full_param_bytes(model: nn.Module) -> int:
