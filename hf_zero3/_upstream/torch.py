@@ -23,6 +23,12 @@ def cuda_memory_fraction(device: torch.device) -> float:
         return 1.0
 
 
+def runs_class_forward(module: torch.nn.Module) -> bool:
+    """Calling ``module`` runs its class's ``forward`` and nothing else: no ``forward`` set on the
+    instance, no forward or forward-pre hooks (what the decode step may replace with its own)."""
+    return "forward" not in vars(module) and not module._forward_hooks and not module._forward_pre_hooks
+
+
 def module_has(module: torch.nn.Module, name: str) -> bool:
     """``hasattr(module, name)`` without ``nn.Module.__getattr__``'s failed lookup (it raises, and
     the caller runs this over every module of a model once per generate call): the instance's own

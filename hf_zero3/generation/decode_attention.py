@@ -182,7 +182,7 @@ def _llama_forwards() -> tuple:
 
 
 def _rope_module(m) -> bool:
-    if type(m).forward not in _llama_forwards() or "forward" in vars(m) or m._forward_hooks or m._forward_pre_hooks:
+    if type(m).forward not in _llama_forwards() or not torch_up.runs_class_forward(m):
         return False
     projs = [getattr(m, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
     if any(not isinstance(p, torch.nn.Linear) for p in projs) or not isinstance(getattr(m, "layer_idx", None), int):
@@ -239,9 +239,7 @@ def rope_bind(model, names: tuple[str, ...], cache) -> list:
 def rope_rotaries(model) -> list:
     """``model``'s Llama rotary embeddings (their decode output made a buffer by :func:`rope_use`)."""
     forwards = _llama_rotary_forwards()
-    return [m for m in model.modules()
-            if type(m).forward in forwards and "forward" not in vars(m) and not m._forward_hooks
-            and not m._forward_pre_hooks]
+    return [m for m in model.modules() if type(m).forward in forwards and torch_up.runs_class_forward(m)]
 
 
 def _plain_causal(config) -> bool:

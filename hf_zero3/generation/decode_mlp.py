@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._upstream import torch as torch_up
 from ..kernels import decode_gemm
 from . import _switch
 
@@ -51,14 +52,13 @@ def split_enabled() -> bool:
 
 
 def _plain_linear(m) -> bool:
-    return (type(m) is nn.Linear and m.bias is None and not m._forward_hooks and not m._forward_pre_hooks
-            and "forward" not in vars(m) and type(m.weight.data) is torch.Tensor and m.weight.dim() == 2
-            and m.weight.is_contiguous())
+    return (type(m) is nn.Linear and m.bias is None and torch_up.runs_class_forward(m)
+            and type(m.weight.data) is torch.Tensor and m.weight.dim() == 2 and m.weight.is_contiguous())
 
 
 def applies(mlp: nn.Module) -> bool:
     """``mlp`` is one of :data:`CLASSES` with plain projections and a SiLU activation."""
-    if type(mlp).__name__ not in CLASSES or mlp._forward_hooks or mlp._forward_pre_hooks or "forward" in vars(mlp):
+    if type(mlp).__name__ not in CLASSES or not torch_up.runs_class_forward(mlp):
         return False
     gate, up, down = (getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj"))
     if not all(_plain_linear(m) for m in (gate, up, down)):

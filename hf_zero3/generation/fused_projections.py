@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._upstream import torch as torch_up
 from ..device_memory import read_cuda_memory
 from . import _switch
 
@@ -75,7 +76,7 @@ def _fusable(parent: nn.Module) -> bool:
     mods = [getattr(parent, n, None) for n in NAMES]
     if any(type(m) is not nn.Linear for m in mods):
         return False
-    if any(m._forward_hooks or m._forward_pre_hooks or "forward" in vars(m) for m in mods):
+    if not all(torch_up.runs_class_forward(m) for m in mods):
         return False
     if len({m.in_features for m in mods}) != 1 or len({m.bias is None for m in mods}) != 1:
         return False

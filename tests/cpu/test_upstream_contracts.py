@@ -333,6 +333,21 @@ def test_module_has_matches_hasattr():
     assert not torch_up.module_has(torch.nn.Linear(2, 2), "sinks")
 
 
+def test_runs_class_forward_sees_instance_forwards_and_hooks():
+    """``runs_class_forward`` is False once a forward is set on the instance or a forward or
+    forward-pre hook is registered, and True again after they are gone (torch's hook tables)."""
+    m = torch.nn.Linear(2, 2)
+    assert torch_up.runs_class_forward(m)
+    m.forward = lambda x: x
+    assert not torch_up.runs_class_forward(m)
+    del m.forward
+    for register in (m.register_forward_hook, m.register_forward_pre_hook):
+        handle = register(lambda *a: None)
+        assert not torch_up.runs_class_forward(m)
+        handle.remove()
+    assert torch_up.runs_class_forward(m)
+
+
 def test_trl_trainer_methods_and_draw():
     import importlib
 
