@@ -6,7 +6,8 @@ defaults (``hf_zero3_graphs``: CUDA graphs of 8 steps, a stop agreement every 8 
 row per switch that differs from them (``OURS``: graphs of 1 step or none, the q/k/v projections
 unfused, the PyTorch decode attention or the Triton one at every batch, cuBLAS for the MLP or for
 down and o_proj, the prompt's forward eager or with a C++ wrapper, the rotary embedding and cache
-write inside the Triton attention on or off, stop agreements run ahead on or off, and
+write inside the Triton attention on or off, stop agreements run ahead on or off, the kernels as
+programmatic dependent launches (``HF_ZERO3_PDL``, with its L2 prefetch of 0/256/1024 columns), and
 ``sync_every=1``: lockstep's default, a stop agreement before every step), same run, batch 8 and
 64, 128 new tokens.
 ``BENCH_CONFIGS`` (comma-separated names) runs a subset; the ratio columns need
@@ -63,6 +64,10 @@ OURS = {
     "hf_zero3_graphs_eager_prefill": (8, 8, {"HF_ZERO3_COMPILE_PREFILL": _OFF}),
     "hf_zero3_graphs_cpp_prefill": (8, 8, {"HF_ZERO3_PREFILL_CPP_WRAPPER": _ON}),
     "hf_zero3_graphs_no_split": (8, 8, {"HF_ZERO3_SPLIT_K": _OFF}),
+    "hf_zero3_graphs_pdl": (8, 8, {"HF_ZERO3_PDL": _ON}),
+    "hf_zero3_graphs_pdl_no_prefetch": (8, 8, {"HF_ZERO3_PDL": _ON, "HF_ZERO3_PDL_PREFETCH": "0"}),
+    "hf_zero3_graphs_pdl_prefetch1k": (8, 8, {"HF_ZERO3_PDL": _ON, "HF_ZERO3_PDL_PREFETCH": "1024"}),
+    "hf_zero3_graphs_sync1_pdl": (8, 1, {"HF_ZERO3_PDL": _ON}),
     "hf_zero3_graphs_fused_rope": (8, 8, {"HF_ZERO3_FUSE_ROPE": _ON}),
     "hf_zero3_graphs_no_rope": (8, 8, {"HF_ZERO3_FUSE_ROPE": _OFF}),
     "hf_zero3_graphs_rope_always": (8, 8, {"HF_ZERO3_FUSE_ROPE": _ON, "HF_ZERO3_TRITON_ATTENTION": "always"}),
@@ -158,6 +163,7 @@ def rank_main():
                              fused_projections=getattr(ours, "fused_projections", None),
                              mlp_kernels=getattr(ours, "mlp_kernels", None), split_k=getattr(ours, "split_k", None),
                              prefill=getattr(ours, "prefill", None), rope_attention=getattr(ours, "rope_attention", None),
+                             dependent_launches=getattr(ours, "dependent_launches", None),
                              same_tokens_both_calls=all(torch.equal(outs[0], o) for o in outs[1:]),
                              forwards=getattr(stats, "forwards", None), compiles=getattr(stats, "compiles", None),
                              weight_bytes=n_bytes))

@@ -182,7 +182,8 @@ def rank_main():
         if mode == "max-autotune":
             torch._inductor.config.coordinate_descent_tuning = True
             opts = {"mode": "max-autotune-no-cudagraphs"}
-        gd._compiled_call = lambda cls: gd._COMPILED.setdefault(cls, torch.compile(cls.__call__, fullgraph=True, **opts))
+        gd._compiled_call = lambda cls, dependent=False: gd._COMPILED.setdefault(
+            (cls, dependent), torch.compile(cls.__call__, fullgraph=True, **opts))
 
     for mode in MODES:
         set_mode(mode)
@@ -356,7 +357,13 @@ def _timeline(hf_zero3, engine, ids, sync_every: int = 8) -> dict:
         by_label[name] += e - s
     big = sorted(gaps, key=lambda g: g[0] - g[1])[:25]
     kernels = _kernels(prof, 1, 24)
+    # programmatic dependent launches show as a kernel starting before the one before it ended
+    runs = sorted((e.time_range.start, e.time_range.end) for e in events
+                  if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("hz3:")
+                  and e.time_range.end > e.time_range.start)
+    overlaps = [prev[1] - nxt[0] for prev, nxt in zip(runs, runs[1:]) if nxt[0] < prev[1]]
     return dict(call_ms=(t1 - t0) / 1e3, gpu_busy_ms=busy / 1e3, gpu_idle_ms=sum(e - s for s, e in gaps) / 1e3,
+                kernels_overlapping=len(overlaps), kernel_overlap_ms=sum(overlaps) / 1e3,
                 gaps=len(gaps), kernels=kernels["kernels"], top_kernels=kernels["top"], idle_by_phase_ms={k: round(v / 1e3, 3) for k, v in by_label.most_common()},
                 largest=[dict(at_ms=round((s - t0) / 1e3, 3), us=round(e - s), labels=during(s, e, labels, 3),
                               host=during(s, e, tops, 4)) for s, e in big])

@@ -23,6 +23,15 @@ def cuda_memory_fraction(device: torch.device) -> float:
         return 1.0
 
 
+def inductor_dependent_launch_options() -> dict:
+    """Inductor options that generate its Triton kernels as programmatic dependent launches
+    (``triton.enable_pdl``, torch >= 2.9: pytorch/pytorch#160928; off by default upstream,
+    pytorch/pytorch#167687 was held back over regressions elsewhere); empty where this torch has none."""
+    import torch._inductor.config as inductor_config
+
+    return {"triton.enable_pdl": True} if hasattr(inductor_config.triton, "enable_pdl") else {}
+
+
 def runs_class_forward(module: torch.nn.Module) -> bool:
     """Calling ``module`` runs its class's ``forward`` and nothing else: no ``forward`` set on the
     instance, no forward or forward-pre hooks (what the decode step may replace with its own)."""

@@ -146,7 +146,7 @@ def use(model, name: str | None = NAME):
 # opaque op (their own buffers, once per step).
 _ROPE_FORWARDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # attention module -> its decode forward
 _ROTARY_FORWARDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # rotary embedding -> its decode forward
-_STEP: dict = {"padding": None}  # inside rope_use: the loop's 2-D padding mask
+_STEP: dict = {"padding": None, "dependent": False}  # inside rope_use: the loop's 2-D padding mask, its launch kind
 
 
 @torch.library.custom_op("hf_zero3::decode_rotary_rows", mutates_args=())
@@ -308,7 +308,7 @@ def _rope_forward(module):
         cos, sin = position_embeddings
         out = gqa_decode.rope_decode_attention(q, k, v, cos.view(cos.shape[0], d), sin.view(sin.shape[0], d),
                                                layer.keys, layer.values, layer.cumulative_length, mask,
-                                               m.scaling)
+                                               m.scaling, dependent=_STEP["dependent"])
         return m.o_proj(out.reshape(b, 1, -1)), None
 
     return forward
@@ -325,12 +325,13 @@ def _rotary_forward(module):
 
 
 @contextlib.contextmanager
-def rope_use(modules: list, padding_mask: torch.Tensor | None = None, rotaries: list = ()):
+def rope_use(modules: list, padding_mask: torch.Tensor | None = None, rotaries: list = (), dependent: bool = False):
     """Inside: ``modules`` (:func:`rope_bind`) run their decode forward through the one kernel;
     the caller calls :func:`advance` after the step's forward. ``padding_mask``: the step's 2-D
     attention mask over the whole cache (the static loop's), which the kernel then reads instead
     of transformers' causal mask; ``rotaries`` (:func:`rope_rotaries`): rotary embeddings whose
-    cos/sin become one buffer each per step. Both only where ``modules`` is not empty."""
+    cos/sin become one buffer each per step. Both only where ``modules`` is not empty.
+    ``dependent``: the kernel is a programmatic dependent launch (the loop planned it)."""
     patched = []
     try:
         if modules:
@@ -341,10 +342,10 @@ def rope_use(modules: list, padding_mask: torch.Tensor | None = None, rotaries: 
                     fn = forwards[m] = make(m)
                 m.forward = fn
                 patched.append(m)
-            _STEP["padding"] = padding_mask
+            _STEP["padding"], _STEP["dependent"] = padding_mask, dependent
         yield
     finally:
-        _STEP["padding"] = None
+        _STEP["padding"], _STEP["dependent"] = None, False
         for m in patched:
             vars(m).pop("forward", None)
 

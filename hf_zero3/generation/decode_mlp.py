@@ -99,11 +99,21 @@ def _fits(rows: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> bool:
             and not torch.is_autocast_enabled(x.device.type))
 
 
-def _forward(mlp: nn.Module, split: bool):
+def _ops(device, dependent: bool) -> tuple:
+    """(gate/up op, split-K op): :func:`~hf_zero3.kernels.decode_gemm.load`'s, or with ``dependent``
+    its programmatic dependent launches (the loop planned them: they are available)."""
+    if dependent:
+        ops = decode_gemm.load_dependent(device)
+        if ops is not None:
+            return ops
+    return decode_gemm.load()[1:]
+
+
+def _forward(mlp: nn.Module, split: bool, dependent: bool = False):
     # the projections and the activation, not the MLP: the forward (kept per MLP in a weak
     # dictionary) must not hold its own key alive
     gate, up, down, act = mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn
-    _, gate_up_silu, split_op = decode_gemm.load()  # outside the trace, as the loop plans
+    gate_up_silu, split_op = _ops(gate.weight.device, dependent)  # outside the trace, as the loop plans
     slices = decode_gemm.split_for(down.in_features) if split else 1
 
     def forward(x):
@@ -117,11 +127,11 @@ def _forward(mlp: nn.Module, split: bool):
     return forward
 
 
-def _split_forward(linear: nn.Linear):
+def _split_forward(linear: nn.Linear, dependent: bool = False):
     # the weight, not the layer: the forward (kept per layer in a weak dictionary) must not hold
     # its own key alive; ZeRO-3 gathers into this same Parameter
     weight, n = linear.weight, linear.out_features
-    split_op, slices = decode_gemm.load()[2], decode_gemm.split_for(linear.in_features)
+    split_op, slices = _ops(weight.device, dependent)[1], decode_gemm.split_for(linear.in_features)
 
     def forward(x):
         rows = x.reshape(-1, x.shape[-1])
@@ -161,17 +171,19 @@ def counts(modules: list[nn.Module], split: bool) -> tuple[int, int]:
 
 
 @contextlib.contextmanager
-def use(modules: list[nn.Module], split: bool):
+def use(modules: list[nn.Module], split: bool, dependent: bool = False):
     """Inside: ``modules`` (:func:`bind`) run through the kernels (``split``: down through the
-    split-K kernel too, as the loop was planned)."""
+    split-K kernel too; ``dependent``: the kernels as programmatic dependent launches; as the loop
+    was planned)."""
     patched = []
     try:
         for m in modules:
             kept = _FORWARDS.setdefault(m, {})
             parts = _parts(m)
-            entry = kept.get(split)
+            entry = kept.get((split, dependent))
             if entry is None or len(entry[0]) != len(parts) or any(a is not b for a, b in zip(entry[0], parts)):
-                entry = kept[split] = (parts, _split_forward(m) if isinstance(m, nn.Linear) else _forward(m, split))
+                entry = kept[(split, dependent)] = (parts, _split_forward(m, dependent) if isinstance(m, nn.Linear)
+                                                    else _forward(m, split, dependent))
             m.forward = entry[1]
             patched.append(m)
         yield

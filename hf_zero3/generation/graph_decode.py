@@ -63,6 +63,7 @@ import torch
 from .._upstream import deepspeed as ds_up
 from .._upstream import torch as torch_up
 from .._upstream import transformers as hf_up
+from ..kernels import decode_gemm
 from . import _switch, decode_attention, decode_mlp, fused_projections
 
 __all__ = ["GRAPH_SAFE_PROCESSORS", "GRAPH_SAFE_CRITERIA", "unsupported", "decode", "failure", "release"]
@@ -78,7 +79,7 @@ _MODEL_KWARGS = frozenset({"attention_mask", "past_key_values", "use_cache", "ou
                            "output_hidden_states", "return_dict", "logits_to_keep", "cache_position",
                            "position_ids"})
 _COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit)
-_COMPILED: dict = {}  # model class -> its compiled __call__
+_COMPILED: dict = {}  # (model class, dependent launches) -> its compiled __call__
 _FAILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> why its forward did not compile
 _PREFILL_FAILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> why its prompt forward did not
 _TAIL_FAILED: list = []  # why the greedy tail did not compile (then it runs eagerly)
@@ -163,20 +164,44 @@ def _forward_kwargs(model) -> dict:
     return {"logits_to_keep": 1} if "logits_to_keep" in params else {}
 
 
-def _compiled_call(cls):
+def _compiled_call(cls, dependent: bool = False):
     """``cls.__call__`` compiled into one graph (hooks included, as transformers compiles it),
     once per class: an unbound function holds no model alive. Its graphs guard on the modules'
-    hooks (``_upstream.torch.hook_guards``): a call with other hooks compiles again."""
-    fn = _COMPILED.get(cls)
+    hooks (``_upstream.torch.hook_guards``): a call with other hooks compiles again. ``dependent``:
+    inductor's kernels are programmatic dependent launches (:func:`dependent_launches`)."""
+    fn = _COMPILED.get((cls, dependent))
     if fn is None:
-        compiled = torch.compile(cls.__call__, fullgraph=True)
+        options = torch_up.inductor_dependent_launch_options() if dependent else {}
+        compiled = torch.compile(cls.__call__, fullgraph=True, **({"options": options} if options else {}))
 
         def fn(model, **kwargs):
             with torch_up.hook_guards():
                 return compiled(model, **kwargs)
 
-        _COMPILED[cls] = fn
+        _COMPILED[(cls, dependent)] = fn
     return fn
+
+
+def dependent_launches(device) -> bool:
+    """The decode steps' kernels are programmatic dependent launches (``HF_ZERO3_PDL=1``, opt-in
+    until measured): each may start while the kernel before it finishes, the Triton GEMMs asking L2
+    for their weights before they wait for their input (:mod:`hf_zero3.kernels.decode_gemm`), and
+    inductor's kernels (its ``triton.enable_pdl``) waiting only where they read the kernel before.
+    At decode shapes a step is ~130 short kernels a layer-sum, each with a ramp of its own. Where
+    the GPU or Triton cannot (:func:`~hf_zero3.kernels.decode_gemm.dependent_unavailable`), one log
+    line says why and the steps launch as usual. Read when a decode loop is built."""
+    if not _switch.on("HF_ZERO3_PDL", default=False):
+        return False
+    why = decode_gemm.dependent_unavailable(device)
+    if why is not None:
+        if why not in _PDL_REFUSED:
+            _PDL_REFUSED.add(why)
+            log.warning("hf_zero3 lockstep: HF_ZERO3_PDL=1 but the decode steps launch as usual: %s", why)
+        return False
+    return True
+
+
+_PDL_REFUSED: set = set()  # reasons already logged
 
 
 def ahead_enabled() -> bool:
@@ -317,7 +342,7 @@ class _Loop:
 
     def __init__(self, batch: int, length: int, device, eos: torch.Tensor | None, sample: bool,
                  attention: str | None, fused: tuple[str, ...] = (), mlp: tuple[str, ...] = (), split: bool = False,
-                 rope: tuple[str, ...] = ()):
+                 rope: tuple[str, ...] = (), dependent: bool = False):
         self.mask = torch.ones(batch, length, dtype=torch.long, device=device)
         self.pos = torch.zeros(batch, dtype=torch.long, device=device)
         self.tok = torch.zeros(batch, dtype=torch.long, device=device)
@@ -340,6 +365,7 @@ class _Loop:
         self.rope_bound: list = []  # this call's (decode_attention.rope_bind, after bind_cache)
         self.rotaries: list = []  # this call's rotary embeddings beside them (decode_attention.rope_rotaries)
         self.rope_layers = 0
+        self.dependent = dependent  # the steps' kernels are programmatic dependent launches
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # steps per graph -> graph
         self.cache_ptrs = None  # the cache tensors the graphs were captured with
         self.cache_small = None  # per layer, its small tensors (length counters) the graphs read
@@ -374,7 +400,7 @@ class _Loop:
         self.out[:, :budget].fill_(self.pad)
         self.alive.fill_(True)
         self.extra = _forward_kwargs(model)
-        self.call = _compiled_call(type(model)) if self.compiled else type(model).__call__  # call(model, ...)
+        self.call = _compiled_call(type(model), self.dependent) if self.compiled else type(model).__call__
 
     def end(self) -> None:
         self.fused.free()
@@ -413,8 +439,8 @@ class _Loop:
         kwargs = dict(input_ids=self.tok.view(-1, 1), attention_mask=self.mask, position_ids=self.pos.view(-1, 1),
                       past_key_values=self.cache, use_cache=True, **self.extra)
         with (decode_attention.use(self.model, self.attention), self.fused.use(),
-              decode_mlp.use(self.mlp_bound, self.split),
-              decode_attention.rope_use(self.rope_bound, self.mask, self.rotaries),
+              decode_mlp.use(self.mlp_bound, self.split, self.dependent),
+              decode_attention.rope_use(self.rope_bound, self.mask, self.rotaries, self.dependent),
               hf_up.input_grad_hooks_suspended(self.model), ds_up.engine_forward_hooks_suspended(self.model)):
             try:
                 out = self.call(self.model, **kwargs)
@@ -546,7 +572,8 @@ def _loop_key(model, input_ids, processors, generation_config, eos_key, cache,
     dev = input_ids.device
     shape = (type(model), input_ids.shape[0], _cache_length(cache), str(dev), bool(generation_config.do_sample),
              tuple(procs), eos_key,
-             attention, decode_mlp.enabled(), decode_mlp.split_enabled(), decode_attention.rope_enabled())
+             attention, decode_mlp.enabled(), decode_mlp.split_enabled(), decode_attention.rope_enabled(),
+             _switch.on("HF_ZERO3_PDL", default=False))
     params = list(model.parameters())
     where = (tuple(t.data_ptr() for t in params), tuple(t.data_ptr() for t in model.buffers()),
              tuple(t.dtype for t in params), torch.is_autocast_enabled(dev.type),
@@ -568,7 +595,8 @@ def _loop_for(model, input_ids, processors, generation_config, eos, eos_key, cac
             return entry[1], True
     loop = _Loop(input_ids.shape[0], _cache_length(cache), input_ids.device, eos, bool(generation_config.do_sample),
                  attention, fused_projections.plan(model), decode_mlp.plan(model, input_ids.device),
-                 decode_mlp.split_enabled(), decode_attention.rope_plan(model, attention))
+                 decode_mlp.split_enabled(), decode_attention.rope_plan(model, attention),
+                 dependent_launches(input_ids.device))
     if key is not None:
         kept[key[0]] = (key[1], loop)
         kept.move_to_end(key[0])
@@ -725,5 +753,5 @@ def decode(model, call, input_ids, logits_processor, stopping_criteria, generati
                      capture_s=runner.capture_s, loop_reused=kept, graphs_reused=runner.reused,
                      attention=loop.attention, fused_projections=loop.fused_layers,
                      mlp_kernels=loop.mlp_layers, split_k=loop.split_layers, rope_attention=loop.rope_layers,
-                     prefill=prefill, prefill_reason=_PREFILL_FAILED.get(model))
+                     dependent_launches=loop.dependent and loop.compiled, prefill=prefill, prefill_reason=_PREFILL_FAILED.get(model))
     return out

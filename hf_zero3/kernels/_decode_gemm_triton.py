@@ -1,7 +1,38 @@
-"""The Triton kernels of :mod:`.decode_gemm` (imported only when it builds them)."""
+"""The Triton kernels of :mod:`.decode_gemm` (imported only when it builds them).
+
+``PDL``, ``PREFETCH`` (constexprs every launch passes: inductor's calls of a ``triton_op``
+kernel take no parameter defaults): with ``PDL`` the kernel is launched as a programmatic dependent launch
+(:func:`.decode_gemm.pdl_available`). It may then start while the kernel before it still runs:
+it asks L2 for the first ``PREFETCH`` reduction columns of its weight slice (the weights are never
+written by the kernel before it), waits for that kernel's writes (``gdc_wait``) before reading the
+activations or writing anything, and lets the kernel after it launch at once (all of its
+programs are running by then; the next one waits in turn)."""
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def l2_prefetch(P, rows, stride, R, k0, COLS: tl.constexpr):
+    """Ask L2 for columns ``[k0, k0 + COLS)`` of rows ``rows`` (clamped below ``R``) of a row-major
+    2-byte matrix, one ``prefetch.global.L2`` per 128-byte line: a hint, no value is read."""
+    lines = tl.arange(0, COLS // 64) * 64
+    ptrs = P + tl.minimum(rows, R - 1)[:, None] * stride + (k0 + lines)[None, :]
+    tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def dependent_start(W, W2, rows, stride, R, k0, PDL: tl.constexpr, PREFETCH: tl.constexpr, TWO: tl.constexpr):
+    """A programmatic dependent launch's start (nothing without ``PDL``): the weights' first
+    ``PREFETCH`` columns to L2, then wait for the kernel before and release the one after."""
+    if PDL:
+        if PREFETCH > 0:
+            l2_prefetch(W, rows, stride, R, k0, PREFETCH)
+            if TWO:
+                l2_prefetch(W2, rows, stride, R, k0, PREFETCH)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -13,9 +44,11 @@ def tile(P, rows, stride, k, rk, R, K: tl.constexpr):
 
 @triton.jit
 def linear_kernel(X, W, O, M, N, sxm, swn, som, K: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PDL: tl.constexpr, PREFETCH: tl.constexpr):
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    dependent_start(W, W, rn, swn, N, 0, PDL, PREFETCH, False)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(0, K, BLOCK_K):
@@ -26,9 +59,11 @@ def linear_kernel(X, W, O, M, N, sxm, swn, som, K: tl.constexpr,
 
 @triton.jit
 def gate_up_kernel(X, WG, WU, O, M, N, sxm, swn, som, K: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PDL: tl.constexpr, PREFETCH: tl.constexpr):
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    dependent_start(WG, WU, rn, swn, N, 0, PDL, PREFETCH, True)
     rk = tl.arange(0, BLOCK_K)
     gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -46,13 +81,15 @@ def gate_up_kernel(X, WG, WU, O, M, N, sxm, swn, som, K: tl.constexpr,
 
 @triton.jit
 def linear_split_kernel(X, W, P, M, N, sxm, swn, spk, spm, K: tl.constexpr, SPLIT: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """Split-K ``x @ W.T``: program (n, s) reduces the s-th of ``SPLIT`` equal slices of the
     reduction and writes its float32 partial sum to ``P[s]`` (the consumer sums them)."""
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     k0 = tl.program_id(1) * (K // SPLIT)
+    dependent_start(W, W, rn, swn, N, k0, PDL, PREFETCH, False)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(0, K // SPLIT, BLOCK_K):
         acc += tl.dot(tile(X, rm, sxm, k0 + k, rk, M, K), tl.trans(tile(W, rn, swn, k0 + k, rk, N, K)))

@@ -12,6 +12,12 @@ that way, and cuBLAS's split-K is faster there. Measured against cuBLAS by
 cuBLAS + inductor's SiLU-mul at 8 and 64 rows; the plain GEMM 0.72-0.93x, slower: not used); the
 decode step's MLP uses the gate/up kernel through :mod:`hf_zero3.generation.decode_mlp`.
 
+Programmatic dependent launch (:func:`load_dependent`, opt-in through the decode loop's
+``HF_ZERO3_PDL=1``): at decode shapes each GEMM is short (5-20 us) and pays a ramp of its own
+while its weight starts streaming; launched as a dependent of the kernel before it, a GEMM starts
+asking L2 for its weight while that kernel finishes (the weights never depend on it) and only
+then waits for the activations.
+
 Loaded lazily; :func:`is_available` as in :mod:`.gqa_decode` (Triton, ``torch.library``).
 """
 
@@ -22,7 +28,7 @@ import torch
 from . import _triton
 
 __all__ = ["is_available", "load", "linear", "gate_up_silu", "linear_split", "split_for", "DEFAULT", "CONFIGS",
-           "SPLIT_CONFIGS", "MAX_ROWS"]
+           "SPLIT_CONFIGS", "MAX_ROWS", "dependent_unavailable", "load_dependent", "prefetch_columns"]
 
 DEFAULT = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
 # the launch configurations the probe and autotuning try (each fits an H100/H200 SM's shared memory)
@@ -37,6 +43,7 @@ SPLIT_CONFIGS = [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT=sp, num_stages=st, num_warps
     (128, 128, 4, 3, 8), (32, 128, 8, 4, 4), (32, 128, 2, 4, 4), (16, 128, 2, 4, 4), (16, 256, 2, 3, 4),
     (32, 64, 4, 4, 4), (64, 64, 8, 4, 4)]]
 MAX_ROWS = 64
+_PLAIN = dict(PDL=False, PREFETCH=0)  # a plain launch's kernel arguments (no dependent start)
 _state: dict = {}
 
 
@@ -54,18 +61,21 @@ def _kernels():
     return _state["kernels"]
 
 
-def _call(kernel, x: torch.Tensor, weights: tuple[torch.Tensor, ...], meta: dict) -> torch.Tensor:
+def _call(kernel, x: torch.Tensor, weights: tuple[torch.Tensor, ...], meta: dict, launch=None,
+          dependent: dict | None = None) -> torch.Tensor:
     """Launch ``kernel`` over ``x`` (2-D, contiguous rows) and same-shaped ``weights``: one
     program per ``BLOCK_N`` output columns, ``meta`` the launch configuration (empty: the
-    autotuner's)."""
+    autotuner's); ``launch``: how (``torch.library.wrap_triton``'s by default), ``dependent``: a
+    programmatic dependent launch's arguments (:func:`_dependent`)."""
     import triton
 
     m, k = x.shape
     n = weights[0].shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, meta["BLOCK_N"]),) if meta else (lambda cfg: (triton.cdiv(n, cfg["BLOCK_N"]),))
-    _triton.launcher(kernel)[grid](x, *weights, out, m, n, x.stride(0), weights[0].stride(0), out.stride(0), K=k,
-                                   BLOCK_M=max(16, triton.next_power_of_2(m)), **meta)
+    (launch or _triton.launcher(kernel))[grid](x, *weights, out, m, n, x.stride(0), weights[0].stride(0),
+                                               out.stride(0), K=k, BLOCK_M=max(16, triton.next_power_of_2(m)),
+                                               **meta, **(dependent or _PLAIN))
     return out
 
 
@@ -81,17 +91,20 @@ def gate_up_silu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, cfg: dic
     return _call(_kernels()[1], x, (gate, up), cfg or DEFAULT)
 
 
-def _call_split(kernel, x: torch.Tensor, weight: torch.Tensor, split: int, meta: dict) -> torch.Tensor:
+def _call_split(kernel, x: torch.Tensor, weight: torch.Tensor, split: int, meta: dict, launch=None,
+                dependent: dict | None = None) -> torch.Tensor:
     """Launch the split-K ``kernel``: one program per ``BLOCK_N`` output columns and reduction
-    slice; float32 partials ``[split, rows, N]``."""
+    slice; float32 partials ``[split, rows, N]`` (``launch``, ``dependent``: as :func:`_call`'s)."""
     import triton
 
     m, k = x.shape
     n = weight.shape[0]
     out = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, meta["BLOCK_N"]), split) if meta else (lambda cfg: (triton.cdiv(n, cfg["BLOCK_N"]), split))
-    _triton.launcher(kernel)[grid](x, weight, out, m, n, x.stride(0), weight.stride(0), out.stride(0), out.stride(1),
-                                   K=k, SPLIT=split, BLOCK_M=max(16, triton.next_power_of_2(m)), **meta)
+    (launch or _triton.launcher(kernel))[grid](x, weight, out, m, n, x.stride(0), weight.stride(0), out.stride(0),
+                                               out.stride(1), K=k, SPLIT=split,
+                                               BLOCK_M=max(16, triton.next_power_of_2(m)), **meta,
+                                               **(dependent or _PLAIN))
     return out
 
 
@@ -141,6 +154,88 @@ def load():
     return _state.get("ops")
 
 
+def prefetch_columns() -> int:
+    """Reduction columns of its weight slice a dependent GEMM asks L2 for before it waits
+    (``HF_ZERO3_PDL_PREFETCH``, default 256, a power of two from 64; 0: none): per program a
+    slice's rows times these columns, a few MB per GEMM over all programs."""
+    import os
+
+    raw = os.environ.get("HF_ZERO3_PDL_PREFETCH", "").strip()
+    cols = int(raw) if raw else 256
+    if cols and (cols < 64 or cols & (cols - 1)):
+        raise ValueError(f"HF_ZERO3_PDL_PREFETCH={raw}: give 0 or a power of two from 64 (reduction columns)")
+    return cols
+
+
+def dependent_unavailable(device) -> str | None:
+    """Why the GEMMs cannot be launched as programmatic dependent launches on ``device`` (None: they
+    can): they need an NVIDIA GPU of compute capability 9.0 or newer (Hopper) and a Triton with
+    grid dependency control (``tl.extra.cuda.gdc_wait``, Triton >= 3.4), outside its interpreter."""
+    reason = _triton.missing()
+    if reason is not None:
+        return reason
+    if _triton.interpreted():
+        return "Triton's interpreter runs the kernels (TRITON_INTERPRET=1)"
+    device = torch.device(device)
+    if device.type != "cuda" or torch.version.hip:
+        return f"programmatic dependent launch needs an NVIDIA GPU, not {device}"
+    major = torch.cuda.get_device_capability(device)[0]
+    if major < 9:
+        return f"programmatic dependent launch needs compute capability 9.0 or newer, this GPU has {major}.x"
+    try:
+        import triton.language.extra.cuda as tl_cuda
+    except ImportError as exc:
+        return f"Triton has no CUDA language extras: {exc}"
+    if not hasattr(tl_cuda, "gdc_wait"):
+        import triton
+
+        return f"Triton {triton.__version__} has no grid dependency control (tl.extra.cuda.gdc_wait, Triton >= 3.4)"
+    return None
+
+
+def load_dependent(device):
+    """The ops ``(gate_up_silu, linear_split)`` as :func:`load`'s, launched as programmatic
+    dependent launches (the kernels' ``PDL`` start, ``launch_pdl``); None where
+    :func:`dependent_unavailable` says why. ``torch.library.custom_op`` ops that launch the
+    autotuned kernels themselves (inductor's calls of a ``triton_op`` kernel take no launch
+    attributes): in a compiled decode step they are calls a CUDA graph captures, as any kernel."""
+    if dependent_unavailable(device) is not None or load() is None:
+        return None
+    if "dependent" not in _state:
+        _state["dependent"] = _dependent_ops()
+    return _state["dependent"]
+
+
+def _dependent(k: int) -> dict:
+    """A dependent launch's arguments for a program's reduction slice of ``k`` columns: it
+    prefetches at most the slice (a power of two from 64, else nothing)."""
+    cols = min(prefetch_columns(), k)
+    cols = 1 << (cols.bit_length() - 1) if cols >= 64 else 0
+    return dict(PDL=True, PREFETCH=cols, launch_pdl=True)
+
+
+def _dependent_ops():
+    tuned_gate_up, tuned_split = _state["tuned"]
+
+    @torch.library.custom_op("hf_zero3::decode_gate_up_silu_dependent", mutates_args=())
+    def gate_up_op(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return _call(tuned_gate_up, x, (gate, up), {}, tuned_gate_up, _dependent(x.shape[1]))
+
+    @gate_up_op.register_fake
+    def _(x, gate, up):
+        return x.new_empty(x.shape[0], gate.shape[0])
+
+    @torch.library.custom_op("hf_zero3::decode_linear_split_dependent", mutates_args=())
+    def split_op(x: torch.Tensor, weight: torch.Tensor, split: int) -> torch.Tensor:
+        return _call_split(tuned_split, x, weight, split, {}, tuned_split, _dependent(x.shape[1] // split))
+
+    @split_op.register_fake
+    def _(x, weight, split):
+        return x.new_empty(split, x.shape[0], weight.shape[0], dtype=torch.float32)
+
+    return gate_up_op, split_op
+
+
 def _ops():
     import triton
 
@@ -159,6 +254,7 @@ def _ops():
                      for bn, bk, st, w in sorted(split_configs)],
             key=["M", "N", "K", "SPLIT"], prune_configs_by={"early_config_prune": _split_prune})(split_kernel)
         fixed = fixed_split = {}
+    _state["tuned"] = (tuned_gate_up, tuned_split)
 
     @torch.library.triton_op("hf_zero3::decode_linear", mutates_args=())
     def linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -160,7 +160,10 @@ def _build():
                     sqb, sqh, sknb, sknh, svnb, svnh, scb, ssb, skb, skh, sks, svb, svh, svs, smb, sms, sob, soh,
                     L: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
                     BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK: tl.constexpr,
-                    MASK: tl.constexpr, PRECISION: tl.constexpr):
+                    MASK: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # a programmatic dependent launch: wait for the kernel before, release the one after
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         pid = tl.program_id(0)
         b = pid // KV
         head = pid % KV
@@ -253,7 +256,7 @@ def _build():
             cos.stride(0) if cos.shape[0] == b else 0, sin.stride(0) if sin.shape[0] == b else 0,
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), mb, mask.stride(3),
-            out.stride(0), out.stride(2), L=length, MASK=mask_kind, **meta(query, kv, d, dv, launch))
+            out.stride(0), out.stride(2), L=length, MASK=mask_kind, **meta(query, kv, d, dv, {"PDL": False, **launch}))
         return out
 
     @_triton.op("hf_zero3::gqa_decode_rope_attention", ("key_cache", "value_cache"), rope_out)
@@ -263,6 +266,19 @@ def _build():
         return rope_run(query, key, value, cos, sin, key_cache, value_cache, position, mask, mask_kind, scale)
 
     _state["rope_op"], _state["rope_run"] = rope_op, rope_run  # rope_run: the probe's launch settings
+    if not _triton.interpreted():
+        @torch.library.custom_op("hf_zero3::gqa_decode_rope_attention_dependent",
+                                 mutates_args=("key_cache", "value_cache"))
+        def rope_dependent(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
+                           sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           position: torch.Tensor, mask: torch.Tensor, mask_kind: int, scale: float) -> torch.Tensor:
+            # launched here, not through inductor's call of a triton_op kernel (which takes no
+            # launch attributes); a CUDA graph captures it as any kernel
+            return rope_run(query, key, value, cos, sin, key_cache, value_cache, position, mask, mask_kind, scale,
+                            PDL=True, launch_pdl=True)
+
+        rope_dependent.register_fake(rope_out)
+        _state["rope_dependent_op"] = rope_dependent
     _state["jit"] = {"attention": kernel, "rope": rope_kernel}  # the raw kernels (ahead-of-time compile test)
 
     def out_like(query, key, value, mask, mask_kind, scale):
@@ -310,7 +326,8 @@ def gqa_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
 
 def rope_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
                           sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                          position: torch.Tensor, attention_mask, scaling: float) -> torch.Tensor:
+                          position: torch.Tensor, attention_mask, scaling: float,
+                          dependent: bool = False) -> torch.Tensor:
     """One decode token's attention with its rotary embedding and its cache write in the same
     kernel: ``query`` (batch, heads, dim) and the new ``key`` (batch, kv_heads, dim) before the
     rotary embedding (``cos``/``sin``: (batch or 1, dim), transformers' rotate-half form), the new
@@ -322,7 +339,10 @@ def rope_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
     after the new token, so that is the causal mask too). Returns (batch, 1, heads, value dim). The
     caller advances the fill count and checks the shapes
     (``hf_zero3.generation.decode_attention._rope_fits``: one token, whole head groups, an even
-    head dim up to 256, :func:`supports`' masks or a padding mask)."""
+    head dim up to 256, :func:`supports`' masks or a padding mask). ``dependent``: launched as a
+    programmatic dependent launch (where
+    :func:`hf_zero3.kernels.decode_gemm.dependent_unavailable` says it can be: the decode loop's
+    ``HF_ZERO3_PDL``)."""
     if "rope_op" not in _state:
         load()
     length = key_cache.shape[-2]
@@ -330,5 +350,5 @@ def rope_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
     query, key, value, mask, kind = _inputs(query, key, value, None if padding else attention_mask, length)
     if padding:  # read in place as (rows, 1, 1, length), attending where nonzero
         mask, kind = attention_mask[:, None, None, :length], 1
-    return _state["rope_op"](query, key, value, cos, sin, key_cache, value_cache, position.view(1), mask, kind,
-                             float(scaling))
+    op = _state.get("rope_dependent_op", _state["rope_op"]) if dependent else _state["rope_op"]
+    return op(query, key, value, cos, sin, key_cache, value_cache, position.view(1), mask, kind, float(scaling))

@@ -31,6 +31,7 @@ def main():
                          (scale if p.name == "scale" else "i64")) for p in fn.params}
 
     attention = dict(KV=8, G=4, BLOCK_G=16, D=64, BLOCK_D=64, DV=64, BLOCK_DV=64, BLOCK=64, PRECISION="tf32", L=192)
+    plain = dict(PDL=False, PREFETCH=0)
     cases = []
     # A direct launch types the Python-float scale fp32; inductor's call of a triton_op inside a
     # compiled graph types it fp64 (the GPU found a kernel that compiled only the first way)
@@ -42,22 +43,44 @@ def main():
                           scale))
             cases.append((f"gqa_decode_rope_attention mask={mask} scale={scale}", jit["rope"],
                           dict(Q="*bf16", KN="*bf16", VN="*bf16", COS="*bf16", SIN="*bf16", KC="*bf16",
-                               VC="*bf16", P="*i64", M=m, O="*bf16"), {**attention, "MASK": mask}, scale))
+                               VC="*bf16", P="*i64", M=m, O="*bf16"), {**attention, "MASK": mask, "PDL": False}, scale))
     # the decode loop's own 2-D padding mask (int64, nonzero attends), read in place
     cases.append(("gqa_decode_rope_attention padding mask scale=fp64", jit["rope"],
                   dict(Q="*bf16", KN="*bf16", VN="*bf16", COS="*bf16", SIN="*bf16", KC="*bf16", VC="*bf16",
-                       P="*i64", M="*i64", O="*bf16"), {**attention, "MASK": 1}, "fp64"))
+                       P="*i64", M="*i64", O="*bf16"), {**attention, "MASK": 1, "PDL": False}, "fp64"))
     tiles = dict(K=2048, BLOCK_M=64, BLOCK_N=32, BLOCK_K=128)
-    cases += [("decode_linear", gemm.linear_kernel, dict(X="*bf16", W="*bf16", O="*bf16"), tiles, None),
-              ("decode_gate_up_silu", gemm.gate_up_kernel, dict(X="*bf16", WG="*bf16", WU="*bf16", O="*bf16"), tiles,
-               None),
+    cases += [("decode_linear", gemm.linear_kernel, dict(X="*bf16", W="*bf16", O="*bf16"), {**tiles, **plain}, None),
+              ("decode_gate_up_silu", gemm.gate_up_kernel, dict(X="*bf16", WG="*bf16", WU="*bf16", O="*bf16"),
+               {**tiles, **plain}, None),
               ("decode_linear_split", gemm.linear_split_kernel, dict(X="*bf16", W="*bf16", P="*fp32"),
-               {**tiles, "SPLIT": 4}, None)]
+               {**tiles, "SPLIT": 4, **plain}, None)]
+    # programmatic dependent launches (HF_ZERO3_PDL): the weights' L2 prefetch and grid dependency
+    # control must be in the code, and the launch attribute in the kernel's metadata
+    dependent = dict(PDL=True, PREFETCH=256)
+    cases += [("decode_gate_up_silu dependent", gemm.gate_up_kernel,
+               dict(X="*bf16", WG="*bf16", WU="*bf16", O="*bf16"), {**tiles, **dependent}, None),
+              ("decode_linear_split dependent", gemm.linear_split_kernel, dict(X="*bf16", W="*bf16", P="*fp32"),
+               {**tiles, "SPLIT": 4, **dependent}, None),
+              ("gqa_decode_rope_attention dependent", jit["rope"],
+               dict(Q="*bf16", KN="*bf16", VN="*bf16", COS="*bf16", SIN="*bf16", KC="*bf16", VC="*bf16",
+                    P="*i64", M="*i64", O="*bf16"), {**attention, "MASK": 1, "PDL": True}, "fp64")]
     out = {}
     for name, fn, pointers, constants, scale in cases:
         try:
-            compiled = triton.compile(ASTSource(fn, signature(fn, pointers, scale), constants), target=target)
-            out[name] = "ok" if compiled.asm.get("cubin") else "no cubin"
+            pdl = bool(constants.get("PDL"))
+            compiled = triton.compile(ASTSource(fn, signature(fn, pointers, scale), constants), target=target,
+                                      options={"launch_pdl": True} if pdl else None)
+            ptx = compiled.asm.get("ptx", "")
+            if not compiled.asm.get("cubin"):
+                out[name] = "no cubin"
+            elif pdl and not ("griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
+                              and ("prefetch.global.L2" in ptx or not constants.get("PREFETCH"))
+                              and compiled.metadata.launch_pdl):
+                out[name] = "dependent launch: grid dependency control, prefetch or launch_pdl missing"
+            elif not pdl and ("griddepcontrol" in ptx or "prefetch.global" in ptx):
+                out[name] = "grid dependency control in a kernel not launched as a dependent"
+            else:
+                out[name] = "ok"
         except Exception as exc:  # noqa: BLE001 - what failed to compile is the result
             out[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
     print(json.dumps(out))

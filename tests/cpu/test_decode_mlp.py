@@ -68,6 +68,8 @@ def test_a_llama_mlp_through_the_kernels_equals_its_own_forward(split):
         ours = decode_mlp._forward(mlp, split)(x)
         big = torch.randn(2, 40, model.config.hidden_size)  # a prompt's rows: the model's own computation
         torch.testing.assert_close(decode_mlp._forward(mlp, split)(big), mlp(big))
+        # dependent launches asked where there are none (CPU, Triton's interpreter): the plain ops
+        torch.testing.assert_close(decode_mlp._forward(mlp, split, True)(x), ours, rtol=0, atol=0)
     torch.testing.assert_close(ours, own, rtol=1e-4, atol=1e-5)
 
 

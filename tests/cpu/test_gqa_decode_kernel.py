@@ -216,7 +216,7 @@ def test_llama_decode_steps_with_the_rope_kernel_match_its_own_attention(monkeyp
     from hf_zero3.kernels import gqa_decode
 
     masks, real = [], gqa_decode.rope_decode_attention  # the mask each kernel call reads
-    monkeypatch.setattr(gqa_decode, "rope_decode_attention", lambda *a: masks.append(a[8].dim()) or real(*a))
+    monkeypatch.setattr(gqa_decode, "rope_decode_attention", lambda *a, **k: masks.append(a[8].dim()) or real(*a, **k))
     runs = {}
     # unfused; fused reading transformers' mask; fused reading the loop's 2-D padding mask over the
     # whole cache (as the static loop passes it) with the rotary rows made one buffer each

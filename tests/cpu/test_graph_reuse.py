@@ -153,3 +153,48 @@ def test_the_prompt_forward_with_a_cpp_wrapper_writes_the_same_cache(monkeypatch
     for (k1, v1), (k2, v2) in zip(got[2], ref[2]):
         torch.testing.assert_close(k1, k2, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-6)
+
+
+def test_dependent_launches_are_opt_in_and_refused_with_one_log_line_where_unsupported(parts, monkeypatch, caplog):
+    """HF_ZERO3_PDL=1 asks for the decode steps' kernels as programmatic dependent launches; where
+    they cannot be (here: no Hopper GPU) the loop launches as usual and says why once. The switch is
+    part of what a kept loop is for (turning it on builds a new loop)."""
+    from hf_zero3.generation import graph_decode as gd
+    from hf_zero3.generation import release_decode_graphs
+    from hf_zero3.kernels import decode_gemm
+
+    model, cache, ids, cfg = parts
+    monkeypatch.delenv("HF_ZERO3_PDL", raising=False)
+    assert gd.dependent_launches("cpu") is False
+    plain, _ = gd._loop_for(model, ids, [], cfg, None, None, cache)
+    assert plain.dependent is False
+    why = decode_gemm.dependent_unavailable("cpu")
+    assert why is not None and ("NVIDIA GPU" in why or "interpreter" in why or "Triton" in why), why
+    monkeypatch.setenv("HF_ZERO3_PDL", "1")
+    gd._PDL_REFUSED.clear()
+    with caplog.at_level("WARNING", logger="hf_zero3.generation"):
+        assert gd.dependent_launches("cpu") is False and gd.dependent_launches("cpu") is False
+    said = [r.getMessage() for r in caplog.records if "HF_ZERO3_PDL" in r.getMessage()]
+    assert len(said) == 1 and why in said[0], said
+    asked, kept = gd._loop_for(model, ids, [], cfg, None, None, cache)
+    assert not kept and asked is not plain and asked.dependent is False
+    release_decode_graphs(model)
+
+
+def test_dependent_launch_prefetch_columns(monkeypatch):
+    """HF_ZERO3_PDL_PREFETCH: how many reduction columns of its weight slice a dependent GEMM asks
+    L2 for (a power of two from 64, or 0), never more than a program's slice."""
+    from hf_zero3.kernels import decode_gemm
+
+    monkeypatch.delenv("HF_ZERO3_PDL_PREFETCH", raising=False)
+    assert decode_gemm.prefetch_columns() == 256
+    assert decode_gemm._dependent(2048) == dict(PDL=True, PREFETCH=256, launch_pdl=True)
+    assert decode_gemm._dependent(192)["PREFETCH"] == 128 and decode_gemm._dependent(32)["PREFETCH"] == 0
+    monkeypatch.setenv("HF_ZERO3_PDL_PREFETCH", "1024")
+    assert decode_gemm._dependent(512)["PREFETCH"] == 512 and decode_gemm._dependent(8192)["PREFETCH"] == 1024
+    monkeypatch.setenv("HF_ZERO3_PDL_PREFETCH", "0")
+    assert decode_gemm._dependent(2048)["PREFETCH"] == 0
+    for bad in ("100", "32", "-64"):
+        monkeypatch.setenv("HF_ZERO3_PDL_PREFETCH", bad)
+        with pytest.raises(ValueError, match="HF_ZERO3_PDL_PREFETCH"):
+            decode_gemm.prefetch_columns()

@@ -441,3 +441,15 @@ def test_trl_fused_lm_head_settings_are_read_from_its_closure():
     assert s["temperature"] == 0.9 and tuple(s["outputs"]) == ("log_probs", "entropy")
     assert s["logit_scale"] == 1.0 and s["final_logit_softcapping"] is None and s["router_aux_loss_coef"] == 0.0
     assert callable(s["original_forward"]) and trl_up.fused_output_class() is FusedCausalLMOutput
+
+
+def test_inductor_dependent_launch_option_is_a_real_inductor_option():
+    """The option the decode step compiles with under ``HF_ZERO3_PDL=1`` exists in this torch's
+    inductor config (torch >= 2.9) and is accepted by ``torch.compile``'s options."""
+    import torch._inductor.config as inductor_config
+
+    options = torch_up.inductor_dependent_launch_options()
+    assert options == {"triton.enable_pdl": True}
+    assert inductor_config.triton.enable_pdl is False  # off by default upstream: ours is an opt-in
+    with inductor_config.patch(options):
+        assert inductor_config.triton.enable_pdl is True

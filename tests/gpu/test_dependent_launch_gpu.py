@@ -1,0 +1,116 @@
+"""The decode kernels as programmatic dependent launches (``HF_ZERO3_PDL``; marked gpu): the GEMMs
+and the rope attention launched that way compute what their plain launches compute, eagerly,
+inside ``torch.compile(fullgraph=True)`` with inductor's own kernels dependent too, and replayed
+from a CUDA graph, where each kernel may start before the one it reads has finished: a missing
+wait would show as a wrong result. Timings are printed for the record, not asserted (the decode
+benchmark measures them)."""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+LAYERS = 16
+
+
+def _weights(layers=LAYERS, hidden=2048, inter=8192):
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def w(n, k):
+        return torch.randn(n, k, generator=g, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+
+    return [(w(inter, hidden), w(inter, hidden), w(hidden, inter), w(hidden, hidden)) for _ in range(layers)]
+
+
+def _mlp_stack(x, weights, gate_up, split, norm: bool):
+    """A decode step's MLP and output-projection GEMMs, layer after layer, each reading the one
+    before: (norm), gate/up, down (split-K), residual add, o_proj (split-K), residual add."""
+    for wg, wu, wd, wo in weights:
+        h = x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5).to(x.dtype) if norm else x
+        x = x + split(gate_up(h, wg, wu), wd, 4).sum(0).to(x.dtype)
+        x = x + split(x, wo, 4).sum(0).to(x.dtype)
+    return x
+
+
+def _graph(fn, *args):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(*args)  # warm-up (and autotuning) before capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(*args)
+    return graph, out
+
+
+def _replay_us(graph, n=20):
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / n
+
+
+@pytest.mark.parametrize("rows", [8, 64])
+def test_dependent_gemms_compute_the_plain_launches_results(rows):
+    from hf_zero3._upstream import torch as torch_up
+    from hf_zero3.kernels import decode_gemm
+
+    assert decode_gemm.dependent_unavailable("cuda") is None, decode_gemm.dependent_unavailable("cuda")
+    _, gate_up, split = decode_gemm.load()
+    dep_gate_up, dep_split = decode_gemm.load_dependent("cuda")
+    weights = _weights()
+    x = torch.randn(rows, 2048, device="cuda", dtype=torch.bfloat16)
+    expected = _mlp_stack(x, weights, gate_up, split, norm=True)
+    # eagerly (the autotuner picks the same launch configuration for both: one tuner per kernel)
+    torch.testing.assert_close(_mlp_stack(x, weights, dep_gate_up, dep_split, norm=True), expected,
+                               rtol=0, atol=0)
+    timings = {}
+    for name, (gu, sp, options) in {
+            "plain": (gate_up, split, {}),
+            "dependent": (dep_gate_up, dep_split, torch_up.inductor_dependent_launch_options())}.items():
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda x: _mlp_stack(x, weights, gu, sp, norm=True), fullgraph=True,
+                                 options=options or None)
+        graph, out = _graph(compiled, x)
+        for trial in range(3):
+            x.normal_()
+            graph.replay()
+            torch.testing.assert_close(out, _mlp_stack(x, weights, gate_up, split, norm=True), rtol=2e-2, atol=2e-2)
+        timings[name] = _replay_us(graph)
+    print(f"rows {rows}: {LAYERS} layers of norm + gate/up + down + o_proj in one CUDA graph, us per replay:",
+          {k: round(v, 1) for k, v in timings.items()})
+
+
+def test_dependent_rope_attention_computes_the_plain_launchs_result():
+    from test_gqa_decode_kernel_gpu import _rope_case
+
+    from hf_zero3.kernels import gqa_decode
+
+    q, k, v, cos, sin, kc, vc, keep = _rope_case()
+    outs = {}
+    for dependent in (False, True):
+        ck, cv, n = kc.clone(), vc.clone(), torch.tensor(100, device="cuda")
+
+        def step(q, ck, cv, n):
+            # the query from a kernel right before (as from the q/k/v GEMM), the fill count after
+            out = gqa_decode.rope_decode_attention(q * 1.0, k, v, cos, sin, ck, cv, n, keep, 0.125,
+                                                   dependent=dependent) + 0
+            n.add_(1)
+            return out
+
+        eager = step(q, ck.clone(), cv.clone(), n.clone())
+        torch._dynamo.reset()
+        graph, out = _graph(torch.compile(step, fullgraph=True), q, ck, cv, n)
+        ck.copy_(kc)
+        cv.copy_(vc)
+        n.fill_(100)
+        graph.replay()
+        torch.testing.assert_close(out, eager, rtol=0, atol=0)
+        outs[dependent] = (out.clone(), ck.clone(), cv.clone(), int(n))
+    assert torch.equal(outs[True][0], outs[False][0]) and torch.equal(outs[True][1], outs[False][1])
+    assert torch.equal(outs[True][2], outs[False][2]) and outs[True][3] == outs[False][3] == 101
