@@ -18,7 +18,9 @@ def l2_prefetch(P, rows, stride, R, k0, COLS: tl.constexpr):
     2-byte matrix, one ``prefetch.global.L2`` per 128-byte line: a hint, no value is read."""
     lines = tl.arange(0, COLS // 64) * 64
     ptrs = P + tl.minimum(rows, R - 1)[:, None] * stride + (k0 + lines)[None, :]
-    tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32,
+    # one line and no backslash anywhere in a kernel's source: inductor embeds it in a string
+    # literal, where an escape turns into the character (tests/cpu/test_triton_kernels_compile.py)
+    tl.inline_asm_elementwise("mov.u32 $0, 0; prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32,
                               is_pure=False, pack=1)
 
 
