@@ -22,13 +22,17 @@ def _weights(layers=LAYERS, hidden=2048, inter=8192):
     return [(w(inter, hidden), w(inter, hidden), w(hidden, inter), w(hidden, hidden)) for _ in range(layers)]
 
 
-def _mlp_stack(x, weights, gate_up, split, norm: bool):
+def _norm(x):
+    return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5).to(x.dtype)
+
+
+def _mlp_stack(x, weights, gate_up, split):
     """A decode step's MLP and output-projection GEMMs, layer after layer, each reading the one
-    before: (norm), gate/up, down (split-K), residual add, o_proj (split-K), residual add."""
+    before: norm, gate/up, down (split-K), residual add, norm, o_proj (split-K), residual add (the
+    norms keep the values where bf16 rounding does not compound over the layers)."""
     for wg, wu, wd, wo in weights:
-        h = x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5).to(x.dtype) if norm else x
-        x = x + split(gate_up(h, wg, wu), wd, 4).sum(0).to(x.dtype)
-        x = x + split(x, wo, 4).sum(0).to(x.dtype)
+        x = x + split(gate_up(_norm(x), wg, wu), wd, 4).sum(0).to(x.dtype)
+        x = x + split(_norm(x), wo, 4).sum(0).to(x.dtype)
     return x
 
 
@@ -65,22 +69,28 @@ def test_dependent_gemms_compute_the_plain_launches_results(rows):
     dep_gate_up, dep_split = decode_gemm.load_dependent("cuda")
     weights = _weights()
     x = torch.randn(rows, 2048, device="cuda", dtype=torch.bfloat16)
-    expected = _mlp_stack(x, weights, gate_up, split, norm=True)
+    expected = _mlp_stack(x, weights, gate_up, split)
     # eagerly (the autotuner picks the same launch configuration for both: one tuner per kernel)
-    torch.testing.assert_close(_mlp_stack(x, weights, dep_gate_up, dep_split, norm=True), expected,
-                               rtol=0, atol=0)
-    timings = {}
+    torch.testing.assert_close(_mlp_stack(x, weights, dep_gate_up, dep_split), expected, rtol=0, atol=0)
+    timings, graphs = {}, {}
     for name, (gu, sp, options) in {
             "plain": (gate_up, split, {}),
             "dependent": (dep_gate_up, dep_split, torch_up.inductor_dependent_launch_options())}.items():
         torch._dynamo.reset()
-        compiled = torch.compile(lambda x: _mlp_stack(x, weights, gu, sp, norm=True), fullgraph=True,
-                                 options=options or None)
-        graph, out = _graph(compiled, x)
-        for trial in range(3):
-            x.normal_()
+        compiled = torch.compile(lambda x: _mlp_stack(x, weights, gu, sp), fullgraph=True, options=options or None)
+        graphs[name] = _graph(compiled, x)
+    for trial in range(3):
+        x.normal_()
+        eager = _mlp_stack(x, weights, gate_up, split)
+        outs = {}
+        for name, (graph, out) in graphs.items():
             graph.replay()
-            torch.testing.assert_close(out, _mlp_stack(x, weights, gate_up, split, norm=True), rtol=2e-2, atol=2e-2)
+            outs[name] = out.clone()
+        # inductor's norms round otherwise than eager's; a kernel reading its input before the
+        # kernel that writes it finished would be off by the input's size, not by a rounding
+        torch.testing.assert_close(outs["plain"], eager, rtol=5e-2, atol=1e-1)
+        torch.testing.assert_close(outs["dependent"], outs["plain"], rtol=2e-2, atol=5e-2)
+    for name, (graph, _) in graphs.items():
         timings[name] = _replay_us(graph)
     print(f"rows {rows}: {LAYERS} layers of norm + gate/up + down + o_proj in one CUDA graph, us per replay:",
           {k: round(v, 1) for k, v in timings.items()})
