@@ -7,7 +7,7 @@ row per switch that differs from them (``OURS``: graphs of 1 step or none, the q
 unfused, the PyTorch decode attention or the Triton one at every batch, cuBLAS for the MLP or for
 down and o_proj, the prompt's forward eager or with a C++ wrapper, the rotary embedding and cache
 write inside the Triton attention on or off, stop agreements run ahead on or off, the kernels as
-programmatic dependent launches (``HF_ZERO3_PDL``, with its L2 prefetch of 0/256/1024 columns), and
+programmatic dependent launches off (``HF_ZERO3_PDL=0``) or prefetching 256/1024 columns, and
 ``sync_every=1``: lockstep's default, a stop agreement before every step), same run, batch 8 and
 64, 128 new tokens.
 ``BENCH_CONFIGS`` (comma-separated names) runs a subset; the ratio columns need
@@ -64,10 +64,9 @@ OURS = {
     "hf_zero3_graphs_eager_prefill": (8, 8, {"HF_ZERO3_COMPILE_PREFILL": _OFF}),
     "hf_zero3_graphs_cpp_prefill": (8, 8, {"HF_ZERO3_PREFILL_CPP_WRAPPER": _ON}),
     "hf_zero3_graphs_no_split": (8, 8, {"HF_ZERO3_SPLIT_K": _OFF}),
-    "hf_zero3_graphs_pdl": (8, 8, {"HF_ZERO3_PDL": _ON}),
-    "hf_zero3_graphs_pdl_no_prefetch": (8, 8, {"HF_ZERO3_PDL": _ON, "HF_ZERO3_PDL_PREFETCH": "0"}),
-    "hf_zero3_graphs_pdl_prefetch1k": (8, 8, {"HF_ZERO3_PDL": _ON, "HF_ZERO3_PDL_PREFETCH": "1024"}),
-    "hf_zero3_graphs_sync1_pdl": (8, 1, {"HF_ZERO3_PDL": _ON}),
+    "hf_zero3_graphs_no_pdl": (8, 8, {"HF_ZERO3_PDL": _OFF}),
+    "hf_zero3_graphs_pdl_prefetch256": (8, 8, {"HF_ZERO3_PDL_PREFETCH": "256"}),
+    "hf_zero3_graphs_pdl_prefetch1k": (8, 8, {"HF_ZERO3_PDL_PREFETCH": "1024"}),
     "hf_zero3_graphs_fused_rope": (8, 8, {"HF_ZERO3_FUSE_ROPE": _ON}),
     "hf_zero3_graphs_no_rope": (8, 8, {"HF_ZERO3_FUSE_ROPE": _OFF}),
     "hf_zero3_graphs_rope_always": (8, 8, {"HF_ZERO3_FUSE_ROPE": _ON, "HF_ZERO3_TRITON_ATTENTION": "always"}),

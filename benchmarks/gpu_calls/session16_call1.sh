@@ -1,4 +1,6 @@
 #!/bin/bash
+# (Record of a call as run. Since session 16's last commits HF_ZERO3_PDL is on by default without prefetch: the
+# "pdl_no_prefetch" rows are today's hf_zero3_graphs, hf_zero3_graphs_no_pdl the old defaults.)
 # Session 16, call 1 (#14, batch 64 at 37 % of the floor, 40 % asked): the decode kernels as
 # programmatic dependent launches (HF_ZERO3_PDL=1: the Triton GEMMs prefetch their weight slice to
 # L2 and wait for their input after; the rope attention and inductor's kernels dependent too).

@@ -1,4 +1,6 @@
 #!/bin/bash
+# (Record of a call as run. Since session 16's last commits HF_ZERO3_PDL is on by default without prefetch: the
+# "pdl_no_prefetch" rows are today's hf_zero3_graphs, hf_zero3_graphs_no_pdl the old defaults.)
 # Session 16, call 2 (#14): call 1 ran the PDL rows only (the plain launches had broken: a
 # triton_op kernel's launch must pass every parameter, defaults are not taken; fixed). (1) the
 # dependent-launch GPU tests (16-layer GEMM stack in one CUDA graph, plain vs dependent, us per

@@ -1,4 +1,6 @@
 #!/bin/bash
+# (Record of a call as run. Since session 16's last commits HF_ZERO3_PDL is on by default without prefetch: the
+# "pdl_no_prefetch" rows are today's hf_zero3_graphs, hf_zero3_graphs_no_pdl the old defaults.)
 # Session 16, call 3 (#14): calls 1 and 2 measured HF_ZERO3_PDL=1 only, the plain decode path
 # having fallen back (inductor embeds a triton_op kernel's source in a string literal: the prefetch's
 # inline-asm newline escape broke it; fixed). (1) dependent-launch GPU tests (16-layer GEMM stack

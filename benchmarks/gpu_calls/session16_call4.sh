@@ -1,4 +1,6 @@
 #!/bin/bash
+# (Record of a call as run. Since session 16's last commits HF_ZERO3_PDL is on by default without prefetch: the
+# "pdl_no_prefetch" rows are today's hf_zero3_graphs, hf_zero3_graphs_no_pdl the old defaults.)
 # Session 16, call 4 (#14): call 3 measured HF_ZERO3_PDL=1 5.7-6.0 % faster than the defaults at
 # batch 64 (same run, two pairs). (1) the dependent-launch GPU tests (call 3's GEMM-stack test
 # compared a compiled graph with eager through 16 unnormalized o_proj residuals, where bf16

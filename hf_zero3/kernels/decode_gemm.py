@@ -12,11 +12,14 @@ that way, and cuBLAS's split-K is faster there. Measured against cuBLAS by
 cuBLAS + inductor's SiLU-mul at 8 and 64 rows; the plain GEMM 0.72-0.93x, slower: not used); the
 decode step's MLP uses the gate/up kernel through :mod:`hf_zero3.generation.decode_mlp`.
 
-Programmatic dependent launch (:func:`load_dependent`, opt-in through the decode loop's
-``HF_ZERO3_PDL=1``): at decode shapes each GEMM is short (5-20 us) and pays a ramp of its own
-while its weight starts streaming; launched as a dependent of the kernel before it, a GEMM starts
-asking L2 for its weight while that kernel finishes (the weights never depend on it) and only
-then waits for the activations.
+Programmatic dependent launch (:func:`load_dependent`; the decode loop's ``HF_ZERO3_PDL``, on by
+default on Hopper): at decode shapes each GEMM is short (5-20 us) and pays a ramp of its own;
+launched as a dependent of the kernel before it, a GEMM's programs are resident and waiting when
+that kernel finishes, and release the kernel after them at once. They may also ask L2 for the
+first columns of their weight slice before they wait (``HF_ZERO3_PDL_PREFETCH``, off by default:
+on 1xH200 it made a batch-64 rollout 4-5 % slower, benchmarks/RESULTS.md session 16). A 16-layer
+stack of the step's GEMMs in one CUDA graph: 706 -> 652 us at 64 rows, 631 -> 622 us at 8
+(``tests/gpu/test_dependent_launch_gpu.py``).
 
 Loaded lazily; :func:`is_available` as in :mod:`.gqa_decode` (Triton, ``torch.library``).
 """
@@ -156,12 +159,13 @@ def load():
 
 def prefetch_columns() -> int:
     """Reduction columns of its weight slice a dependent GEMM asks L2 for before it waits
-    (``HF_ZERO3_PDL_PREFETCH``, default 256, a power of two from 64; 0: none): per program a
-    slice's rows times these columns, a few MB per GEMM over all programs."""
+    (``HF_ZERO3_PDL_PREFETCH``: 0, the default, none; else a power of two from 64): per program a
+    slice's rows times these columns, a few MB per GEMM over all programs. Measured slower at 256
+    and 1024 (session 16); kept to measure on other GPUs."""
     import os
 
     raw = os.environ.get("HF_ZERO3_PDL_PREFETCH", "").strip()
-    cols = int(raw) if raw else 256
+    cols = int(raw) if raw else 0
     if cols and (cols < 64 or cols & (cols - 1)):
         raise ValueError(f"HF_ZERO3_PDL_PREFETCH={raw}: give 0 or a power of two from 64 (reduction columns)")
     return cols

@@ -266,12 +266,14 @@ def test_the_decode_switches_read_on_and_opt_in(monkeypatch):
                               ("1", True, True), ("TRUE", True, True), ("yes", True, True), ("2", True, False)):
         monkeypatch.setenv(name, value)
         assert (_switch.on(name), _switch.on(name, default=False)) == (on, opt_in), value
-    # the library's own defaults: the fused rope kernel on, run-ahead agreements opt-in
+    # the library's own defaults: the fused rope kernel and dependent launches on, run-ahead
+    # agreements opt-in
     from hf_zero3.generation import decode_attention, graph_decode
 
-    for switch in ("HF_ZERO3_FUSE_ROPE", "HF_ZERO3_RUN_AHEAD"):
+    for switch in ("HF_ZERO3_FUSE_ROPE", "HF_ZERO3_RUN_AHEAD", "HF_ZERO3_PDL"):
         monkeypatch.delenv(switch, raising=False)
-    assert decode_attention.rope_enabled() and not graph_decode.ahead_enabled()
+    assert decode_attention.rope_enabled() and not graph_decode.ahead_enabled() and graph_decode.pdl_enabled()
     monkeypatch.setenv("HF_ZERO3_FUSE_ROPE", "off")
     monkeypatch.setenv("HF_ZERO3_RUN_AHEAD", "on")
-    assert not decode_attention.rope_enabled() and graph_decode.ahead_enabled()
+    monkeypatch.setenv("HF_ZERO3_PDL", "0")
+    assert not decode_attention.rope_enabled() and graph_decode.ahead_enabled() and not graph_decode.pdl_enabled()

@@ -155,29 +155,32 @@ def test_the_prompt_forward_with_a_cpp_wrapper_writes_the_same_cache(monkeypatch
         torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-6)
 
 
-def test_dependent_launches_are_opt_in_and_refused_with_one_log_line_where_unsupported(parts, monkeypatch, caplog):
-    """HF_ZERO3_PDL=1 asks for the decode steps' kernels as programmatic dependent launches; where
-    they cannot be (here: no Hopper GPU) the loop launches as usual and says why once. The switch is
-    part of what a kept loop is for (turning it on builds a new loop)."""
+def test_dependent_launches_fall_back_quietly_by_default_and_say_why_when_asked(parts, monkeypatch, caplog):
+    """HF_ZERO3_PDL (on by default) makes the decode steps' kernels programmatic dependent launches
+    where the GPU can; here (no Hopper GPU) the loop launches as usual: silently at the default,
+    with one log line saying why when HF_ZERO3_PDL=1 asks for it. The switch is part of what a kept
+    loop is for (turning it off builds a new loop)."""
     from hf_zero3.generation import graph_decode as gd
     from hf_zero3.generation import release_decode_graphs
     from hf_zero3.kernels import decode_gemm
 
     model, cache, ids, cfg = parts
-    monkeypatch.delenv("HF_ZERO3_PDL", raising=False)
-    assert gd.dependent_launches("cpu") is False
-    plain, _ = gd._loop_for(model, ids, [], cfg, None, None, cache)
-    assert plain.dependent is False
     why = decode_gemm.dependent_unavailable("cpu")
     assert why is not None and ("NVIDIA GPU" in why or "interpreter" in why or "Triton" in why), why
-    monkeypatch.setenv("HF_ZERO3_PDL", "1")
     gd._PDL_REFUSED.clear()
+    monkeypatch.delenv("HF_ZERO3_PDL", raising=False)
     with caplog.at_level("WARNING", logger="hf_zero3.generation"):
+        assert gd.pdl_enabled() and gd.dependent_launches("cpu") is False
+        default, _ = gd._loop_for(model, ids, [], cfg, None, None, cache)
+        assert default.dependent is False
+        assert not [r for r in caplog.records if "HF_ZERO3_PDL" in r.getMessage()]
+        monkeypatch.setenv("HF_ZERO3_PDL", "1")
         assert gd.dependent_launches("cpu") is False and gd.dependent_launches("cpu") is False
     said = [r.getMessage() for r in caplog.records if "HF_ZERO3_PDL" in r.getMessage()]
     assert len(said) == 1 and why in said[0], said
-    asked, kept = gd._loop_for(model, ids, [], cfg, None, None, cache)
-    assert not kept and asked is not plain and asked.dependent is False
+    monkeypatch.setenv("HF_ZERO3_PDL", "0")
+    off, kept = gd._loop_for(model, ids, [], cfg, None, None, cache)
+    assert not kept and off is not default and off.dependent is False
     release_decode_graphs(model)
 
 
@@ -187,7 +190,9 @@ def test_dependent_launch_prefetch_columns(monkeypatch):
     from hf_zero3.kernels import decode_gemm
 
     monkeypatch.delenv("HF_ZERO3_PDL_PREFETCH", raising=False)
-    assert decode_gemm.prefetch_columns() == 256
+    assert decode_gemm.prefetch_columns() == 0  # off by default (slower on 1xH200, session 16)
+    assert decode_gemm._dependent(2048) == dict(PDL=True, PREFETCH=0, launch_pdl=True)
+    monkeypatch.setenv("HF_ZERO3_PDL_PREFETCH", "256")
     assert decode_gemm._dependent(2048) == dict(PDL=True, PREFETCH=256, launch_pdl=True)
     assert decode_gemm._dependent(192)["PREFETCH"] == 128 and decode_gemm._dependent(32)["PREFETCH"] == 0
     monkeypatch.setenv("HF_ZERO3_PDL_PREFETCH", "1024")
