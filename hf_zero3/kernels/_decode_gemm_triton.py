@@ -1,12 +1,13 @@
 """The Triton kernels of :mod:`.decode_gemm` (imported only when it builds them).
 
 ``PDL``, ``PREFETCH`` (constexprs every launch passes: inductor's calls of a ``triton_op``
-kernel take no parameter defaults): with ``PDL`` the kernel is launched as a programmatic dependent launch
-(:func:`.decode_gemm.pdl_available`). It may then start while the kernel before it still runs:
-it asks L2 for the first ``PREFETCH`` reduction columns of its weight slice (the weights are never
-written by the kernel before it), waits for that kernel's writes (``gdc_wait``) before reading the
-activations or writing anything, and lets the kernel after it launch at once (all of its
-programs are running by then; the next one waits in turn)."""
+kernel take no parameter defaults): with ``PDL`` the kernel is launched as a programmatic
+dependent launch (where :func:`.decode_gemm.dependent_unavailable` finds none missing). It may then
+start while the kernel before it still runs: it asks L2 for the first ``PREFETCH`` reduction
+columns of its weight slice (0: none; the weights are never written by the kernel before it),
+waits for that kernel's writes (``gdc_wait``) before reading the activations or writing anything,
+and lets the kernel after it launch at once (all of its programs are running by then; the next
+one waits in turn)."""
 
 import triton
 import triton.language as tl
