@@ -64,21 +64,21 @@ def _kernels():
     return _state["kernels"]
 
 
-def _call(kernel, x: torch.Tensor, weights: tuple[torch.Tensor, ...], meta: dict, launch=None,
+def _call(kernel, x: torch.Tensor, weights: tuple[torch.Tensor, ...], meta: dict,
           dependent: dict | None = None) -> torch.Tensor:
     """Launch ``kernel`` over ``x`` (2-D, contiguous rows) and same-shaped ``weights``: one
     program per ``BLOCK_N`` output columns, ``meta`` the launch configuration (empty: the
-    autotuner's); ``launch``: how (``torch.library.wrap_triton``'s by default), ``dependent``: a
-    programmatic dependent launch's arguments (:func:`_dependent`)."""
+    autotuner's); ``dependent``: a programmatic dependent launch's arguments (:func:`_dependent`),
+    launched by Triton itself (``torch.library.wrap_triton`` takes no launch attributes)."""
     import triton
 
     m, k = x.shape
     n = weights[0].shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, meta["BLOCK_N"]),) if meta else (lambda cfg: (triton.cdiv(n, cfg["BLOCK_N"]),))
-    (launch or _triton.launcher(kernel))[grid](x, *weights, out, m, n, x.stride(0), weights[0].stride(0),
-                                               out.stride(0), K=k, BLOCK_M=max(16, triton.next_power_of_2(m)),
-                                               **meta, **(dependent or _PLAIN))
+    (kernel if dependent else _triton.launcher(kernel))[grid](
+        x, *weights, out, m, n, x.stride(0), weights[0].stride(0), out.stride(0), K=k,
+        BLOCK_M=max(16, triton.next_power_of_2(m)), **meta, **(dependent or _PLAIN))
     return out
 
 
@@ -94,20 +94,19 @@ def gate_up_silu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, cfg: dic
     return _call(_kernels()[1], x, (gate, up), cfg or DEFAULT)
 
 
-def _call_split(kernel, x: torch.Tensor, weight: torch.Tensor, split: int, meta: dict, launch=None,
+def _call_split(kernel, x: torch.Tensor, weight: torch.Tensor, split: int, meta: dict,
                 dependent: dict | None = None) -> torch.Tensor:
     """Launch the split-K ``kernel``: one program per ``BLOCK_N`` output columns and reduction
-    slice; float32 partials ``[split, rows, N]`` (``launch``, ``dependent``: as :func:`_call`'s)."""
+    slice; float32 partials ``[split, rows, N]`` (``dependent``: as :func:`_call`'s)."""
     import triton
 
     m, k = x.shape
     n = weight.shape[0]
     out = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, meta["BLOCK_N"]), split) if meta else (lambda cfg: (triton.cdiv(n, cfg["BLOCK_N"]), split))
-    (launch or _triton.launcher(kernel))[grid](x, weight, out, m, n, x.stride(0), weight.stride(0), out.stride(0),
-                                               out.stride(1), K=k, SPLIT=split,
-                                               BLOCK_M=max(16, triton.next_power_of_2(m)), **meta,
-                                               **(dependent or _PLAIN))
+    (kernel if dependent else _triton.launcher(kernel))[grid](
+        x, weight, out, m, n, x.stride(0), weight.stride(0), out.stride(0), out.stride(1), K=k, SPLIT=split,
+        BLOCK_M=max(16, triton.next_power_of_2(m)), **meta, **(dependent or _PLAIN))
     return out
 
 
@@ -223,7 +222,7 @@ def _dependent_ops():
 
     @torch.library.custom_op("hf_zero3::decode_gate_up_silu_dependent", mutates_args=())
     def gate_up_op(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return _call(tuned_gate_up, x, (gate, up), {}, tuned_gate_up, _dependent(x.shape[1]))
+        return _call(tuned_gate_up, x, (gate, up), {}, _dependent(x.shape[1]))
 
     @gate_up_op.register_fake
     def _(x, gate, up):
@@ -231,7 +230,7 @@ def _dependent_ops():
 
     @torch.library.custom_op("hf_zero3::decode_linear_split_dependent", mutates_args=())
     def split_op(x: torch.Tensor, weight: torch.Tensor, split: int) -> torch.Tensor:
-        return _call_split(tuned_split, x, weight, split, {}, tuned_split, _dependent(x.shape[1] // split))
+        return _call_split(tuned_split, x, weight, split, {}, _dependent(x.shape[1] // split))
 
     @split_op.register_fake
     def _(x, weight, split):
