@@ -8,9 +8,7 @@
 # GPU test with HF_ZERO3_PREFILL_CPP_WRAPPER=1 (inductor's C++ wrapper for the prompt forward);
 # (3) the decode bench at batch 64 with and without it, each row twice. If the C++-wrapper rows are
 # faster and the test passes, consider it on by default (its first compile is longer).
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD TORCH_CUDA_ARCH_LIST=9.0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export TORCH_EXTENSIONS_DIR=/tmp/ext
+. benchmarks/gpu_calls/_preamble.sh
 LIMIT=${CALL_LIMIT:-590}
 PROFILE_HOST=1 BENCH_BATCHES=64 timeout 120 python3 benchmarks/generation/profile_decode.py > $OUT/host.log 2>&1; echo "host profile rc=$? at ${SECONDS}s"
 python3 - <<'PY'

@@ -8,9 +8,7 @@
 # CUDA graph, plain vs dependent, timings printed); (3) the decode bench at batch 64: defaults vs
 # HF_ZERO3_PDL=1 at prefetch 256 (default), 0 and 1024, defaults and PDL again (drift). Run as
 # `CALL_LIMIT=570 bash benchmarks/gpu_calls/session16_call1.sh` (carry .whl).
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD TORCH_CUDA_ARCH_LIST=9.0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export TORCH_EXTENSIONS_DIR=/tmp/ext
+. benchmarks/gpu_calls/_preamble.sh
 LIMIT=${CALL_LIMIT:-570}
 python3 -c "
 import torch, triton, torch._inductor.config as c, triton.language.extra.cuda as x
@@ -21,11 +19,4 @@ left=$((LIMIT - SECONDS - 8))
 BENCH_BATCHES=64 BENCH_CONFIGS=hf_static_gathered,hf_zero3_graphs,hf_zero3_graphs_pdl,hf_zero3_graphs_pdl_no_prefetch,hf_zero3_graphs_pdl_prefetch1k,hf_zero3_graphs,hf_zero3_graphs_pdl \
   timeout $left python3 benchmarks/generation/bench_decode.py > $OUT/bench64.log 2>&1; echo "decode batch 64 rc=$? at ${SECONDS}s"
 grep -A10 "^| batch" $OUT/bench64.log | cut -c1-330; grep -m5 "Error\|error:\|hf_zero3 lockstep" $OUT/bench64.log | cut -c1-400
-python3 - <<'PY'
-import json, os
-p = os.environ["OUT"] + "/decode_partial.jsonl"
-if os.path.exists(p):
-    for l in open(p):
-        r = json.loads(l)
-        print(r["config"], round(r["seconds"], 4), [round(s, 4) for s in r["seconds_all"]], "pdl", r.get("dependent_launches"), "compile", round(r["compile_s"], 1))
-PY
+python3 benchmarks/gpu_calls/decode_rows.py

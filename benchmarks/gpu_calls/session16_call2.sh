@@ -7,31 +7,14 @@
 # replay printed); (2) decode bench at batch 64, defaults vs HF_ZERO3_PDL=1 without prefetch (call
 # 1's best), twice each, same run; (3) one traced warm call with HF_ZERO3_PDL=1 (do kernels
 # overlap in the graphs?). Run as `CALL_LIMIT=570 bash benchmarks/gpu_calls/session16_call2.sh`.
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD TORCH_CUDA_ARCH_LIST=9.0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export TORCH_EXTENSIONS_DIR=/tmp/ext
+. benchmarks/gpu_calls/_preamble.sh
 LIMIT=${CALL_LIMIT:-570}
 timeout 150 python3 -m pytest -q -s -m gpu tests/gpu/test_dependent_launch_gpu.py > $OUT/pdl_test.log 2>&1; echo "dependent launch gpu tests rc=$? at ${SECONDS}s"
 tail -1 $OUT/pdl_test.log | cut -c1-300; grep -m12 "^E  \|us per replay\|Error" $OUT/pdl_test.log | cut -c1-400
 BENCH_BATCHES=64 BENCH_CONFIGS=hf_zero3_graphs,hf_zero3_graphs_pdl_no_prefetch,hf_zero3_graphs,hf_zero3_graphs_pdl_no_prefetch \
   timeout 270 python3 benchmarks/generation/bench_decode.py > $OUT/bench64.log 2>&1; echo "decode batch 64 rc=$? at ${SECONDS}s"
 grep -m5 "Error\|error:\|hf_zero3 lockstep" $OUT/bench64.log | cut -c1-400
-python3 - <<'PY'
-import json, os
-p = os.environ["OUT"] + "/decode_partial.jsonl"
-if os.path.exists(p):
-    for l in open(p):
-        r = json.loads(l)
-        print(r["config"], r["loop"], round(r["seconds"], 4), [round(s, 4) for s in r["seconds_all"]], "pdl", r.get("dependent_launches"), "compile", round(r["compile_s"], 1), "floor", round(r.get("fraction_of_floor") or 0, 3))
-PY
+python3 benchmarks/gpu_calls/decode_rows.py
 left=$((LIMIT - SECONDS - 5))
 PROFILE_TIMELINE=1 BENCH_BATCHES=64 PROFILE_VARIANTS="pdl,HF_ZERO3_PDL=1,HF_ZERO3_PDL_PREFETCH=0" timeout $left python3 benchmarks/generation/profile_decode.py > $OUT/timeline.log 2>&1; echo "timeline rc=$? at ${SECONDS}s"
-python3 - <<'PY'
-import json, os
-for l in open(os.environ["OUT"] + "/timeline.log"):
-    if l.startswith("{") and '"timeline"' in l:
-        r = json.loads(l)
-        print({k: r[k] for k in ("variant", "call_ms", "gpu_busy_ms", "gpu_idle_ms", "kernels", "kernels_overlapping", "kernel_overlap_ms")})
-        for t in r["top_kernels"][:12]:
-            print("   ", t[0][:90], t[1], round(t[2] / 1e3, 2), round(t[2] / max(t[1], 1), 2))
-PY
+python3 benchmarks/gpu_calls/decode_rows.py --timeline

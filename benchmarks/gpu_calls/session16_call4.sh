@@ -8,9 +8,7 @@
 # compiled-decode GPU test with HF_ZERO3_PDL=1 (teacher-forced logits within tolerance of eager);
 # (3) batch 8: defaults vs HF_ZERO3_PDL=1 without prefetch.
 # Run as `CALL_LIMIT=480 bash benchmarks/gpu_calls/session16_call4.sh` (carry .whl).
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD TORCH_CUDA_ARCH_LIST=9.0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export TORCH_EXTENSIONS_DIR=/tmp/ext
+. benchmarks/gpu_calls/_preamble.sh
 LIMIT=${CALL_LIMIT:-480}
 timeout 110 python3 -m pytest -q -s -m gpu tests/gpu/test_dependent_launch_gpu.py > $OUT/pdl_test.log 2>&1; echo "dependent launch gpu tests rc=$? at ${SECONDS}s"
 tail -1 $OUT/pdl_test.log | cut -c1-300; grep -m12 "^E  \|us per replay\|Error" $OUT/pdl_test.log | cut -c1-400
@@ -20,11 +18,4 @@ left=$((LIMIT - SECONDS - 5))
 BENCH_BATCHES=8 BENCH_CONFIGS=hf_zero3_graphs,hf_zero3_graphs_pdl_no_prefetch,hf_zero3_graphs,hf_zero3_graphs_pdl_no_prefetch \
   timeout $left python3 benchmarks/generation/bench_decode.py > $OUT/bench8.log 2>&1; echo "decode batch 8 rc=$? at ${SECONDS}s"
 grep -m5 "Error\|error:\|hf_zero3 lockstep" $OUT/bench8.log | cut -c1-400
-python3 - <<'PY'
-import json, os
-p = os.environ["OUT"] + "/decode_partial.jsonl"
-if os.path.exists(p):
-    for l in open(p):
-        r = json.loads(l)
-        print(r["config"], r.get("loop"), round(r["seconds"], 4), [round(s, 4) for s in r["seconds_all"]], "pdl", r.get("dependent_launches"), "compile", round(r["compile_s"], 1), "same", r.get("same_tokens_both_calls"))
-PY
+python3 benchmarks/gpu_calls/decode_rows.py

@@ -6,9 +6,7 @@
 # test through the static loop (dependent launches now on); (2) the full batch-64 table: HF eager,
 # static cache, defaults, dependent launches off, sync_every=1, defaults again; (3) one traced warm
 # call at the defaults (where a step's time goes now; kernels_overlapping counts dependent starts).
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD TORCH_CUDA_ARCH_LIST=9.0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export TORCH_EXTENSIONS_DIR=/tmp/ext
+. benchmarks/gpu_calls/_preamble.sh
 LIMIT=${CALL_LIMIT:-585}
 timeout 120 python3 -m pytest -q -s -m gpu tests/gpu/test_runtime_gpu.py -k static_loop > $OUT/runtime_test.log 2>&1; echo "runtime static_loop gpu test rc=$? at ${SECONDS}s"
 tail -1 $OUT/runtime_test.log | cut -c1-300; grep -m8 "^E  \|rope_attention\|hf_zero3 lockstep" $OUT/runtime_test.log | cut -c1-400
@@ -18,12 +16,4 @@ mv $OUT/decode.json $OUT/decode64.json 2>/dev/null; rm -f $OUT/decode_partial.js
 grep -A9 "^| batch" $OUT/bench64.log | cut -c1-330; grep -m5 "Error\|error:\|hf_zero3 lockstep" $OUT/bench64.log | cut -c1-400
 left=$((LIMIT - SECONDS - 5))
 PROFILE_TIMELINE=1 BENCH_BATCHES=64 timeout $left python3 benchmarks/generation/profile_decode.py > $OUT/timeline.log 2>&1; echo "timeline rc=$? at ${SECONDS}s"
-python3 - <<'PY'
-import json, os
-for l in open(os.environ["OUT"] + "/timeline.log"):
-    if l.startswith("{") and '"timeline"' in l:
-        r = json.loads(l)
-        print({k: r[k] for k in ("variant", "call_ms", "gpu_busy_ms", "gpu_idle_ms", "kernels", "kernels_overlapping", "kernel_overlap_ms")})
-        for t in r["top_kernels"][:16]:
-            print("   ", t[0][:90], t[1], round(t[2] / 1e3, 2), round(t[2] / max(t[1], 1), 2))
-PY
+python3 benchmarks/gpu_calls/decode_rows.py --timeline

@@ -1,0 +1,23 @@
+"""A GPU call's output tail for the decode benchmarks: ``python3 decode_rows.py`` prints
+bench_decode's rows as measured ($OUT/decode_partial.jsonl), one line each; ``--timeline`` prints
+profile_decode's traced calls ($OUT/timeline.log) with their top kernels."""
+import json
+import os
+import sys
+
+out = os.environ["OUT"]
+if "--timeline" in sys.argv:
+    for line in open(os.path.join(out, "timeline.log")):
+        if line.startswith("{") and '"timeline"' in line:
+            r = json.loads(line)
+            print({k: r.get(k) for k in ("variant", "call_ms", "gpu_busy_ms", "gpu_idle_ms", "kernels",
+                                         "kernels_overlapping", "kernel_overlap_ms")})
+            for name, count, us in r["top_kernels"][:16]:
+                print("   ", name[:90], count, round(us / 1e3, 2), round(us / max(count, 1), 2))
+else:
+    path = os.path.join(out, "decode_partial.jsonl")
+    for line in open(path) if os.path.exists(path) else ():
+        r = json.loads(line)
+        print(r["config"], r.get("loop"), round(r["seconds"], 4), [round(s, 4) for s in r["seconds_all"]],
+              "pdl", r.get("dependent_launches"), "compile", round(r["compile_s"], 1),
+              "same", r.get("same_tokens_both_calls"))  # the floor fraction: in the final table only
