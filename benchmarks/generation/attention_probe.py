@@ -8,6 +8,11 @@ Llama-3.2-1B shapes (32 query heads, 8 key/value heads, head dim 64, bf16), a 19
 cache filled up to position 128, batch 64 and 8. Each measurement is a CUDA graph of 16 calls over
 16 distinct caches (as the 16 layers of a step: the caches stream from HBM, not L2), replayed 20
 times; microseconds per call. Each fused row is checked against the unfused output.
+Rows with left padding (row i's first ``i % 32`` positions masked, as a batch of prompts of
+divergent lengths) next to rows without. ``ATTENTION_PROBE_BASELINE=<path to another version of
+hf_zero3/kernels/gqa_decode.py>`` adds that version's fused kernel at the same settings (its ops
+registered under another namespace), so a change to the kernel is measured against the old one in
+the same run.
 Run: python benchmarks/generation/attention_probe.py   (GPU only)
 """
 
@@ -23,8 +28,24 @@ from common import graph_us, save, table  # noqa: E402
 
 LAYERS, REPLAYS, HEADS, KV, DIM, LENGTH, POS = 16, 20, 32, 8, 64, 192, 128
 SETTINGS = [dict(BLOCK=b, num_warps=w, num_stages=s) for b, w, s in [
-    (64, 4, 2), (32, 4, 2), (128, 4, 2), (64, 2, 2), (64, 8, 2), (128, 8, 2), (64, 4, 3), (32, 2, 2), (128, 4, 1),
-    (256, 8, 1)]]
+    (64, 4, 2), (64, 4, 3), (32, 4, 3), (128, 4, 2), (64, 2, 2), (32, 2, 3)]]
+
+
+def _baseline():
+    """Another version of the kernel module (``ATTENTION_PROBE_BASELINE``), its ops renamed so
+    they register beside this version's; None when not asked for."""
+    import importlib.util
+
+    path = os.environ.get("ATTENTION_PROBE_BASELINE")
+    if not path:
+        return None
+    src = open(path).read().replace('"hf_zero3::', '"hf_zero3_probe_baseline::')
+    spec = importlib.util.spec_from_loader("hf_zero3.kernels.gqa_decode_probe_baseline", loader=None)
+    mod = importlib.util.module_from_spec(spec)
+    mod.__package__ = "hf_zero3.kernels"
+    exec(compile(src, path, "exec"), mod.__dict__)
+    mod.load()
+    return mod
 
 
 def main():
@@ -43,7 +64,8 @@ def main():
     def timed(fn, n):
         return graph_us([lambda i=i: fn(i) for i in range(n)], REPLAYS)
 
-    for batch in (64, 8):
+    baseline = _baseline()
+    for batch, padded in ((64, False), (64, True), (8, False)):
         g = torch.Generator(device=dev).manual_seed(batch)
         q = torch.randn(batch, 1, HEADS * DIM, generator=g, device=dev, dtype=dt)
         k = torch.randn(batch, 1, KV * DIM, generator=g, device=dev, dtype=dt)
@@ -55,6 +77,9 @@ def main():
                    torch.tensor(POS, device=dev)) for _ in range(LAYERS)]
         keep = torch.zeros(batch, 1, 1, LENGTH, dtype=torch.bool, device=dev)
         keep[..., : POS + 1] = True
+        if padded:
+            for i in range(batch):
+                keep[i, ..., : i % 32] = False
 
         def unfused(kc, vc, n, q, k, v, cos, sin, keep):
             qs = q.view(batch, 1, HEADS, DIM).transpose(1, 2)
@@ -75,32 +100,40 @@ def main():
             return step(kc, vc, n, q, k, v, cos, sin, keep)
 
         us, ref = timed(base, LAYERS)
-        rows.append(dict(batch=batch, impl="unfused (compiled rotary + cache writes + kernel)", cfg="", us=us, ok=True))
+        rows.append(dict(batch=batch, padded=padded, impl="unfused (compiled rotary + cache writes + kernel)", cfg="",
+                         us=us, ok=True))
         print(json.dumps(rows[-1]), flush=True)
-        run = gqa_decode._state["rope_run"]
+        impls = [("rope_decode_attention", gqa_decode._state["rope_run"])]
+        if baseline is not None:
+            impls.insert(0, ("baseline rope_decode_attention", baseline._state["rope_run"]))
         for cfg in SETTINGS:
-            def fused(i, cfg=cfg):
-                kc, vc, n = caches[i % LAYERS]
-                return run(q.view(batch, HEADS, DIM), k.view(batch, KV, DIM), v.view(batch, KV, DIM),
-                           cos.view(batch, DIM), sin.view(batch, DIM), kc, vc, n.view(1), keep, 1, DIM ** -0.5, **cfg)
+            for impl, run in impls:
+                def fused(i, cfg=cfg, run=run):
+                    kc, vc, n = caches[i % LAYERS]
+                    return run(q.view(batch, HEADS, DIM), k.view(batch, KV, DIM), v.view(batch, KV, DIM),
+                               cos.view(batch, DIM), sin.view(batch, DIM), kc, vc, n.view(1), keep, 1, DIM ** -0.5,
+                               **cfg)
 
-            try:
-                us, outs = timed(fused, LAYERS)
-            except Exception as exc:  # a setting that does not fit
-                rows.append(dict(batch=batch, impl="rope_decode_attention", cfg=str(cfg), us=None,
-                                 ok=f"{type(exc).__name__}: {str(exc)[:120]}"))
-                continue
-            err = max((a.float() - b.float()).abs().max().item() for a, b in zip(outs, ref))
-            rows.append(dict(batch=batch, impl="rope_decode_attention", cfg=str(cfg), us=us, ok=err <= 2e-2, err=err))
-            print(json.dumps(rows[-1]), flush=True)
+                try:
+                    us, outs = timed(fused, LAYERS)
+                except Exception as exc:  # a setting that does not fit
+                    rows.append(dict(batch=batch, padded=padded, impl=impl, cfg=str(cfg), us=None,
+                                     ok=f"{type(exc).__name__}: {str(exc)[:120]}"))
+                    continue
+                err = max((a.float() - b.float()).abs().max().item() for a, b in zip(outs, ref))
+                rows.append(dict(batch=batch, padded=padded, impl=impl, cfg=str(cfg), us=us, ok=err <= 2e-2, err=err))
+                print(json.dumps(rows[-1]), flush=True)
         caches.clear()
         torch.cuda.empty_cache()
     path = save("attention_probe", {"rows": rows, "torch": torch.__version__, "device": torch.cuda.get_device_name()},
                 HERE)
     for r in rows:
-        base = next(b for b in rows if b["batch"] == r["batch"] and b["cfg"] == "")
+        base = next(b for b in rows if (b["batch"], b["padded"]) == (r["batch"], r["padded"]) and b["cfg"] == "")
         r["speedup"] = base["us"] / r["us"] if r["us"] else None
-    print(table(rows, ["batch", "impl", "cfg", "us", "speedup", "ok"]))
+        old = next((b for b in rows if (b["batch"], b["padded"], b["cfg"]) == (r["batch"], r["padded"], r["cfg"])
+                    and b["impl"].startswith("baseline") and b["us"]), None)
+        r["vs_baseline"] = old["us"] / r["us"] if old and r["us"] and r["cfg"] else None
+    print(table(rows, ["batch", "padded", "impl", "cfg", "us", "speedup", "vs_baseline", "ok"]))
     print(f"raw numbers: {path}")
 
 

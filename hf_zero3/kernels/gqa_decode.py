@@ -203,9 +203,14 @@ def _build():
         m_i = tl.where(own, s_new, float("-inf"))
         l_i = tl.where(own, 1.0, 0.0) + tl.zeros([BLOCK_G], tl.float32)
         acc = tl.where(own, 1.0, 0.0) * v_new.to(tl.float32)[None, :] + tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
-        for start in range(0, L, BLOCK):
+        # the positions filled before this step, block by block up to the fill count (a loop bound
+        # read at run time: the unfilled tail is neither read nor computed). Every load of a block
+        # (mask, keys, values) waits only for the fill count, none for another, and no branch
+        # stands between blocks: the loads of a block are in flight together and the next block's
+        # while this one is computed (the loop is software-pipelined)
+        for start in range(0, tl.minimum(pos, L), BLOCK):
             s = start + tl.arange(0, BLOCK)
-            inside = (s < L) & (s < pos)  # the positions filled before this step
+            inside = s < pos
             if MASK == 1:
                 valid = inside & (tl.load(M + b * smb + s * sms, mask=inside, other=0) != 0)
                 bias = tl.zeros([BLOCK], tl.float32)
@@ -215,19 +220,20 @@ def _build():
             else:
                 valid = inside
                 bias = tl.zeros([BLOCK], tl.float32)
-            if tl.max(valid.to(tl.int32), axis=0) > 0:
-                kc = tl.load(KC + b * skb + head * skh + s[:, None] * sks + dd[None, :],
-                             mask=valid[:, None] & in_d[None, :], other=0.0)
-                qk = (tl.dot(q, tl.trans(kc), input_precision=PRECISION) * scale).to(tl.float32) + bias[None, :]
-                qk = tl.where(valid[None, :], qk, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-                p = tl.exp(qk - m_new[:, None])
-                alpha = tl.exp(m_i - m_new)
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                vc = tl.load(VC + b * svb + head * svh + s[:, None] * svs + dv[None, :],
-                             mask=valid[:, None] & in_dv[None, :], other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(vc.dtype), vc, input_precision=PRECISION)
-                m_i = m_new
+            kc = tl.load(KC + b * skb + head * skh + s[:, None] * sks + dd[None, :],
+                         mask=inside[:, None] & in_d[None, :], other=0.0)
+            vc = tl.load(VC + b * svb + head * svh + s[:, None] * svs + dv[None, :],
+                         mask=inside[:, None] & in_dv[None, :], other=0.0)
+            qk = (tl.dot(q, tl.trans(kc), input_precision=PRECISION) * scale).to(tl.float32) + bias[None, :]
+            qk = tl.where(valid[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing to attend yet
+            p = tl.exp(qk - m_use[:, None])
+            alpha = tl.exp(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            vc = tl.where(valid[:, None], vc, tl.zeros_like(vc))  # a masked position's value never enters
+            acc = acc * alpha[:, None] + tl.dot(p.to(vc.dtype), vc, input_precision=PRECISION)
+            m_i = m_new
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(O + b * sob + (head * G + g)[:, None] * soh + dv[None, :], out.to(O.dtype.element_ty),
                  mask=rows[:, None] & in_dv[None, :])

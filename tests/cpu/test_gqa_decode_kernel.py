@@ -181,6 +181,14 @@ def test_rope_kernel_equals_rotary_cache_write_and_attention(batch, heads, kv, d
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got_k, ref_k, rtol=1e-6, atol=1e-6)  # the rotated key at pos, the rest kept
         assert torch.equal(got_v, ref_v)
+    # whatever a masked (padding) position of the cache holds never reaches the output
+    poisoned_k, poisoned_v = kc.clone(), vc.clone()
+    for i in range(batch):
+        poisoned_k[i, :, : min(2 * i, pos)] = float("nan")
+        poisoned_v[i, :, : min(2 * i, pos)] = float("inf")
+    out = gqa_decode.rope_decode_attention(q, k, v, cos, sin, poisoned_k, poisoned_v, torch.tensor(pos), padding,
+                                           dim ** -0.5)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     if pos == 0 or cos_rows:
         return
     # no mask: every position up to the new token's (the unfilled rest is never read)
