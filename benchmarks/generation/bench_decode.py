@@ -65,6 +65,7 @@ OURS = {
     "hf_zero3_graphs_cpp_prefill": (8, 8, {"HF_ZERO3_PREFILL_CPP_WRAPPER": _ON}),
     "hf_zero3_graphs_no_split": (8, 8, {"HF_ZERO3_SPLIT_K": _OFF}),
     "hf_zero3_graphs_no_pdl": (8, 8, {"HF_ZERO3_PDL": _OFF}),
+    "hf_zero3_graphs_cublas_qkv": (8, 8, {"HF_ZERO3_TRITON_QKV": _OFF}),
     "hf_zero3_graphs_pdl_prefetch256": (8, 8, {"HF_ZERO3_PDL_PREFETCH": "256"}),
     "hf_zero3_graphs_pdl_prefetch1k": (8, 8, {"HF_ZERO3_PDL_PREFETCH": "1024"}),
     "hf_zero3_graphs_fused_rope": (8, 8, {"HF_ZERO3_FUSE_ROPE": _ON}),

@@ -29,11 +29,11 @@ import torch
 
 from .._upstream import torch as torch_up
 from .._upstream import transformers as hf_up
-from ..kernels import gqa_decode
-from . import _switch
+from ..kernels import decode_gemm, gqa_decode
+from . import _switch, fused_projections
 
 __all__ = ["NAME", "KERNEL", "attention", "kernel_attention", "applies", "choice", "use", "rope_enabled",
-           "rope_plan", "rope_bind", "rope_rotaries", "rope_use", "advance"]
+           "rope_plan", "rope_bind", "rope_rotaries", "rope_use", "rope_qkv_enabled", "rope_qkv", "advance"]
 
 NAME = "hf_zero3_gqa_decode"
 KERNEL = gqa_decode.NAME
@@ -146,7 +146,8 @@ def use(model, name: str | None = NAME):
 # opaque op (their own buffers, once per step).
 _ROPE_FORWARDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # attention module -> its decode forward
 _ROTARY_FORWARDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # rotary embedding -> its decode forward
-_STEP: dict = {"padding": None, "dependent": False}  # inside rope_use: the loop's 2-D padding mask, its launch kind
+# inside rope_use: the loop's 2-D padding mask, its launch kind, the q/k/v split-K op (rope_qkv)
+_STEP: dict = {"padding": None, "dependent": False, "qkv": None}
 
 
 @torch.library.custom_op("hf_zero3::decode_rotary_rows", mutates_args=())
@@ -203,6 +204,23 @@ def rope_enabled() -> bool:
     six kernels a layer; the step now reads the loop's padding mask, one cos/sin buffer and the
     projection's parts in place.)"""
     return _switch.on("HF_ZERO3_FUSE_ROPE")
+
+
+def rope_qkv_enabled() -> bool:
+    """``HF_ZERO3_TRITON_QKV`` (on unless set to 0): see :func:`rope_qkv`."""
+    return _switch.on("HF_ZERO3_TRITON_QKV")
+
+
+def rope_qkv(device, dependent: bool):
+    """The split-K op a decode step's fused q/k/v projection runs through where it feeds the rope
+    kernel (which sums the float32 partials itself), or None: only with dependent launches (the
+    loop's ``HF_ZERO3_PDL``), and ``HF_ZERO3_TRITON_QKV=0`` turns it off. cuBLAS, which computes
+    the projection otherwise, launches no kernel as a programmatic dependent launch, so the two
+    boundaries norm -> q/k/v -> attention were the two per layer a kernel could not start early."""
+    if not dependent or not rope_qkv_enabled():
+        return None
+    ops = decode_gemm.load_dependent(device)
+    return ops[1] if ops is not None else None
 
 
 def rope_plan(model, attention: str | None) -> tuple[str, ...]:
@@ -302,9 +320,16 @@ def _rope_forward(module):
                 layer.cumulative_length.sub_(1)  # the loop's advance() counts this layer's step
             return out
         b, d = hidden_states.shape[0], m.head_dim
-        q = m.q_proj(hidden_states).view(b, -1, d)
-        k = m.k_proj(hidden_states).view(b, -1, d)
-        v = m.v_proj(hidden_states).view(b, k.shape[1], -1)
+        op = _STEP["qkv"]
+        split = decode_gemm.split_for(hidden_states.shape[-1]) if op is not None else 1
+        parts = fused_projections.partials(m, hidden_states, op, split) if split > 1 else None
+        if parts is not None:  # float32 partial sums (split, rows, features), summed by the kernel
+            q, k, v = parts[0].view(split, b, -1, d), parts[1].view(split, b, -1, d), parts[2]
+            v = v.view(split, b, k.shape[2], -1)
+        else:
+            q = m.q_proj(hidden_states).view(b, -1, d)
+            k = m.k_proj(hidden_states).view(b, -1, d)
+            v = m.v_proj(hidden_states).view(b, k.shape[1], -1)
         cos, sin = position_embeddings
         out = gqa_decode.rope_decode_attention(q, k, v, cos.view(cos.shape[0], d), sin.view(sin.shape[0], d),
                                                layer.keys, layer.values, layer.cumulative_length, mask,
@@ -325,13 +350,16 @@ def _rotary_forward(module):
 
 
 @contextlib.contextmanager
-def rope_use(modules: list, padding_mask: torch.Tensor | None = None, rotaries: list = (), dependent: bool = False):
+def rope_use(modules: list, padding_mask: torch.Tensor | None = None, rotaries: list = (), dependent: bool = False,
+             qkv=None):
     """Inside: ``modules`` (:func:`rope_bind`) run their decode forward through the one kernel;
     the caller calls :func:`advance` after the step's forward. ``padding_mask``: the step's 2-D
     attention mask over the whole cache (the static loop's), which the kernel then reads instead
     of transformers' causal mask; ``rotaries`` (:func:`rope_rotaries`): rotary embeddings whose
     cos/sin become one buffer each per step. Both only where ``modules`` is not empty.
-    ``dependent``: the kernel is a programmatic dependent launch (the loop planned it)."""
+    ``dependent``: the kernel is a programmatic dependent launch (the loop planned it); ``qkv``
+    (:func:`rope_qkv`'s op): the fused q/k/v projection (:mod:`.fused_projections`, bound this call)
+    runs through it and the kernel sums its float32 partials."""
     patched = []
     try:
         if modules:
@@ -342,10 +370,10 @@ def rope_use(modules: list, padding_mask: torch.Tensor | None = None, rotaries: 
                     fn = forwards[m] = make(m)
                 m.forward = fn
                 patched.append(m)
-            _STEP["padding"], _STEP["dependent"] = padding_mask, dependent
+            _STEP["padding"], _STEP["dependent"], _STEP["qkv"] = padding_mask, dependent, qkv
         yield
     finally:
-        _STEP["padding"], _STEP["dependent"] = None, False
+        _STEP["padding"], _STEP["dependent"], _STEP["qkv"] = None, False, None
         for m in patched:
             vars(m).pop("forward", None)
 

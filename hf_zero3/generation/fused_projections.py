@@ -31,9 +31,10 @@ from torch import nn
 
 from .._upstream import torch as torch_up
 from ..device_memory import read_cuda_memory
+from ..kernels.decode_gemm import MAX_ROWS
 from . import _switch
 
-__all__ = ["NAMES", "plan", "Fused"]
+__all__ = ["NAMES", "plan", "partials", "Fused"]
 
 NAMES = ("q_proj", "k_proj", "v_proj")
 _FORWARDS: "weakref.WeakKeyDictionary[nn.Module, object]" = weakref.WeakKeyDictionary()  # Linear -> its forward
@@ -96,6 +97,29 @@ def plan(model: nn.Module) -> tuple[str, ...]:
     if not _enabled():
         return ()
     return tuple(name for name, m in model.named_modules() if _fusable(m))
+
+
+# the weights' dtypes :func:`partials` takes: the Triton GEMMs' (a float32 model's projections keep
+# cuBLAS's float32 GEMM, which the kernels' TF32 dot would not match; the CPU tests widen it to
+# float32 under Triton's interpreter, whose bf16 dot is not exact)
+PARTIAL_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def partials(parent: nn.Module, x: torch.Tensor, op, split: int):
+    """The fused q/k/v GEMM of ``parent`` (an attention module bound this call) over ``x`` through
+    the split-K ``op`` (:func:`hf_zero3.kernels.decode_gemm.load_dependent`'s): its three parts as
+    float32 partial sums, views ``(split, rows, features)`` of one buffer, for a consumer that sums
+    them itself (the fused rope kernel). None where that does not apply: nothing bound, biases, more
+    rows than the kernel takes, another dtype than the weight's half precision, autocast."""
+    slot = _SLOTS.get(parent)
+    if slot is None or slot.weight is None or slot.bias is not None:
+        return None
+    rows = x.reshape(-1, x.shape[-1])
+    w = slot.weight
+    if (rows.shape[0] > MAX_ROWS or not rows.is_contiguous() or rows.dtype != w.dtype
+            or w.dtype not in PARTIAL_DTYPES or torch.is_autocast_enabled(x.device.type)):
+        return None
+    return op(rows, w, split).split(slot.sizes, dim=-1)
 
 
 class Fused:

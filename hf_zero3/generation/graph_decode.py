@@ -375,6 +375,8 @@ class _Loop:
         self.rotaries: list = []  # this call's rotary embeddings beside them (decode_attention.rope_rotaries)
         self.rope_layers = 0
         self.dependent = dependent  # the steps' kernels are programmatic dependent launches
+        # the fused q/k/v GEMM's split-K op feeding the rope kernel (None: the projections' own GEMM)
+        self.qkv = decode_attention.rope_qkv(device, dependent) if rope and fused else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # steps per graph -> graph
         self.cache_ptrs = None  # the cache tensors the graphs were captured with
         self.cache_small = None  # per layer, its small tensors (length counters) the graphs read
@@ -449,7 +451,7 @@ class _Loop:
                       past_key_values=self.cache, use_cache=True, **self.extra)
         with (decode_attention.use(self.model, self.attention), self.fused.use(),
               decode_mlp.use(self.mlp_bound, self.split, self.dependent),
-              decode_attention.rope_use(self.rope_bound, self.mask, self.rotaries, self.dependent),
+              decode_attention.rope_use(self.rope_bound, self.mask, self.rotaries, self.dependent, self.qkv),
               hf_up.input_grad_hooks_suspended(self.model), ds_up.engine_forward_hooks_suspended(self.model)):
             try:
                 out = self.call(self.model, **kwargs)
@@ -582,7 +584,7 @@ def _loop_key(model, input_ids, processors, generation_config, eos_key, cache,
     shape = (type(model), input_ids.shape[0], _cache_length(cache), str(dev), bool(generation_config.do_sample),
              tuple(procs), eos_key,
              attention, decode_mlp.enabled(), decode_mlp.split_enabled(), decode_attention.rope_enabled(),
-             pdl_enabled())
+             pdl_enabled(), decode_attention.rope_qkv_enabled())
     params = list(model.parameters())
     where = (tuple(t.data_ptr() for t in params), tuple(t.data_ptr() for t in model.buffers()),
              tuple(t.dtype for t in params), torch.is_autocast_enabled(dev.type),
@@ -762,5 +764,7 @@ def decode(model, call, input_ids, logits_processor, stopping_criteria, generati
                      capture_s=runner.capture_s, loop_reused=kept, graphs_reused=runner.reused,
                      attention=loop.attention, fused_projections=loop.fused_layers,
                      mlp_kernels=loop.mlp_layers, split_k=loop.split_layers, rope_attention=loop.rope_layers,
-                     dependent_launches=loop.dependent and loop.compiled, prefill=prefill, prefill_reason=_PREFILL_FAILED.get(model))
+                     dependent_launches=loop.dependent and loop.compiled,
+                     qkv_partials=bool(loop.qkv and loop.fused_layers and loop.rope_layers and loop.compiled),
+                     prefill=prefill, prefill_reason=_PREFILL_FAILED.get(model))
     return out

@@ -123,6 +123,7 @@ class LockstepStats:
     split_k: int = 0  # projections (down, o_proj) whose decode steps ran through the split-K GEMM
     rope_attention: int = 0  # attention modules whose decode steps rotated, wrote the cache and attended in one kernel
     dependent_launches: bool = False  # the decode steps' kernels were programmatic dependent launches (HF_ZERO3_PDL)
+    qkv_partials: bool = False  # fused q/k/v ran split-K, the rope kernel summed it (HF_ZERO3_TRITON_QKV)
     prefill: str | None = None  # the static loop's prompt forward: "compiled" or "eager" (None: not its loop)
     prefill_reason: str | None = None  # why it ran eagerly (None: compiled, or HF_ZERO3_COMPILE_PREFILL=0)
 
@@ -235,7 +236,8 @@ class _Call:
     def finish_loop(self, forwards: int, done_at: int | None, *, compiled: bool, graph_steps: int,
                     capture_s: float = 0.0, loop_reused: bool = False, graphs_reused: bool = False,
                     attention: str | None = None, fused_projections: int = 0, mlp_kernels: int = 0, split_k: int = 0,
-                    rope_attention: int = 0, dependent_launches: bool = False, prefill: str | None = None,
+                    rope_attention: int = 0, dependent_launches: bool = False, qkv_partials: bool = False,
+                    prefill: str | None = None,
                     prefill_reason: str | None = None) -> None:
         """hf_zero3's static loop ran ``forwards`` forwards (see :mod:`.graph_decode`)."""
         if self.rt.join is not None:
@@ -253,6 +255,7 @@ class _Call:
         self.stats.split_k = split_k
         self.stats.rope_attention = rope_attention
         self.stats.dependent_launches = dependent_launches
+        self.stats.qkv_partials = qkv_partials
         self.stats.prefill, self.stats.prefill_reason = prefill, prefill_reason
         if not compiled:
             self.stats.decode = "eager"

@@ -157,10 +157,15 @@ def _build():
 
     @triton.jit
     def rope_kernel(Q, KN, VN, COS, SIN, KC, VC, P, M, O, scale,
-                    sqb, sqh, sknb, sknh, svnb, svnh, scb, ssb, skb, skh, sks, svb, svh, svs, smb, sms, sob, soh,
+                    sqp, sqb, sqh, sknp, sknb, sknh, svnp, svnb, svnh, scb, ssb, skb, skh, sks, svb, svh, svs,
+                    smb, sms, sob, soh,
                     L: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
                     BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK: tl.constexpr,
-                    MASK: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+                    MASK: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr):
+        # SPLIT > 1: the query, key and value arrive as SPLIT float32 partial sums of their projection
+        # (a split-K GEMM's, strides sqp/sknp/svnp apart); summed here and rounded to the cache's
+        # dtype, as the projection would have returned them. Inlined sums, no helper: inductor
+        # embeds a triton_op kernel with the helpers it finds in its module, not in this closure
         if PDL:  # a programmatic dependent launch: wait for the kernel before, release the one after
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -179,17 +184,29 @@ def _build():
         pos = tl.load(P)  # the cache's fill count before this step: the new token's cache position
         cos = tl.load(COS + b * scb + dd, mask=in_d, other=0.0).to(tl.float32)
         sin = tl.load(SIN + b * ssb + dd, mask=in_d, other=0.0).to(tl.float32)
-        k = tl.load(KN + b * sknb + head * sknh + dd, mask=in_d, other=0.0).to(tl.float32)
-        kp = tl.load(KN + b * sknb + head * sknh + partner, mask=in_d, other=0.0).to(tl.float32)
+        k = tl.zeros([BLOCK_D], tl.float32)
+        kp = tl.zeros([BLOCK_D], tl.float32)
+        v_new = tl.zeros([BLOCK_DV], tl.float32)
+        for i in tl.static_range(SPLIT):
+            k += tl.load(KN + i * sknp + b * sknb + head * sknh + dd, mask=in_d, other=0.0).to(tl.float32)
+            kp += tl.load(KN + i * sknp + b * sknb + head * sknh + partner, mask=in_d, other=0.0).to(tl.float32)
+            v_new += tl.load(VN + i * svnp + b * svnb + head * svnh + dv, mask=in_dv, other=0.0).to(tl.float32)
+        k = k.to(KC.dtype.element_ty).to(tl.float32)
+        kp = kp.to(KC.dtype.element_ty).to(tl.float32)
+        v_new = v_new.to(VC.dtype.element_ty).to(tl.float32)
         k_new = (k * cos + sign * kp * sin).to(KC.dtype.element_ty)  # rounded as the cache stores it
-        v_new = tl.load(VN + b * svnb + head * svnh + dv, mask=in_dv, other=0.0)
         tl.store(KC + b * skb + head * skh + pos * sks + dd, k_new, mask=in_d)
         tl.store(VC + b * svb + head * svh + pos * svs + dv, v_new.to(VC.dtype.element_ty), mask=in_dv)
         qmask = rows[:, None] & in_d[None, :]
         qrow = Q + b * sqb + (head * G + g)[:, None] * sqh
-        q = tl.load(qrow + dd[None, :], mask=qmask, other=0.0).to(tl.float32)
-        qp = tl.load(qrow + partner[None, :], mask=qmask, other=0.0).to(tl.float32)
-        q = (q * cos[None, :] + sign[None, :] * qp * sin[None, :]).to(Q.dtype.element_ty)
+        q = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        qp = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        for i in tl.static_range(SPLIT):
+            q += tl.load(qrow + i * sqp + dd[None, :], mask=qmask, other=0.0).to(tl.float32)
+            qp += tl.load(qrow + i * sqp + partner[None, :], mask=qmask, other=0.0).to(tl.float32)
+        q = q.to(KC.dtype.element_ty).to(tl.float32)
+        qp = qp.to(KC.dtype.element_ty).to(tl.float32)
+        q = (q * cos[None, :] + sign[None, :] * qp * sin[None, :]).to(KC.dtype.element_ty)
         # the new token's own score from registers (its cache row was just written by this program)
         # float32 whatever the scale arrives as (inductor's fp64 would make the loop's state fp64)
         s_new = (tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale).to(tl.float32)
@@ -241,28 +258,32 @@ def _build():
     launch = _triton.launcher(kernel)
     launch_rope = _triton.launcher(rope_kernel)
 
-    def meta(query, key_heads, d, dv, launch):
-        group = query.shape[1] // key_heads
+    def meta(heads, dtype, key_heads, d, dv, launch):
+        group = heads // key_heads
         return dict(KV=key_heads, G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=d,
                     BLOCK_D=max(16, triton.next_power_of_2(d)), DV=dv, BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-                    PRECISION="ieee" if query.dtype == torch.float32 else "tf32", **{**LAUNCH, **launch})
+                    PRECISION="ieee" if dtype == torch.float32 else "tf32", **{**LAUNCH, **launch})
 
     def rope_out(query, key, value, cos, sin, key_cache, value_cache, position, mask, mask_kind, scale):
-        return query.new_empty(query.shape[0], 1, query.shape[1], value_cache.shape[-1])
+        return value_cache.new_empty(query.shape[-3], 1, query.shape[-2], value_cache.shape[-1])
+
+    def parts(t):  # (partial stride, row stride, head stride) of a (rows, heads, dim) or (split, ...) input
+        return (t.stride(0) if t.dim() == 4 else 0, t.stride(-3), t.stride(-2))
 
     def rope_run(query, key, value, cos, sin, key_cache, value_cache, position, mask, mask_kind, scale, **launch):
-        b, h, d = query.shape
+        b, h, d = query.shape[-3:]
         kv, length = key_cache.shape[1], key_cache.shape[2]
         dv = value_cache.shape[-1]
-        out = torch.empty(b, 1, h, dv, dtype=query.dtype, device=query.device)
+        out = torch.empty(b, 1, h, dv, dtype=value_cache.dtype, device=query.device)
         mb = mask.stride(0) if mask.shape[0] == b else 0
         launch_rope[(b * kv,)](
             query, key, value, cos, sin, key_cache, value_cache, position, mask, out, scale,
-            query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            *parts(query), *parts(key), *parts(value),
             cos.stride(0) if cos.shape[0] == b else 0, sin.stride(0) if sin.shape[0] == b else 0,
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), mb, mask.stride(3),
-            out.stride(0), out.stride(2), L=length, MASK=mask_kind, **meta(query, kv, d, dv, {"PDL": False, **launch}))
+            out.stride(0), out.stride(2), L=length, MASK=mask_kind, SPLIT=query.shape[0] if query.dim() == 4 else 1,
+            **meta(h, key_cache.dtype, kv, d, dv, {"PDL": False, **launch}))
         return out
 
     @_triton.op("hf_zero3::gqa_decode_rope_attention", ("key_cache", "value_cache"), rope_out)
@@ -302,7 +323,7 @@ def _build():
             query, key, value, mask, out, scale,
             query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),
             value.stride(0), value.stride(1), value.stride(2), mb, mask.stride(3), out.stride(0), out.stride(2),
-            L=length, MASK=mask_kind, **meta(query, kv, d, dv, {}))
+            L=length, MASK=mask_kind, **meta(h, query.dtype, kv, d, dv, {}))
         return out
 
     return op
@@ -348,7 +369,13 @@ def rope_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
     head dim up to 256, :func:`supports`' masks or a padding mask). ``dependent``: launched as a
     programmatic dependent launch (where
     :func:`hf_zero3.kernels.decode_gemm.dependent_unavailable` says it can be: the decode loop's
-    ``HF_ZERO3_PDL``)."""
+    ``HF_ZERO3_PDL``).
+
+    ``query``, ``key`` and ``value`` may also be float32 partial sums of their projection, one more
+    leading dimension (split, batch, heads, dim), as a split-K GEMM leaves them
+    (:func:`hf_zero3.kernels.decode_gemm.linear_split`): the kernel sums them and rounds the sums to
+    the cache's dtype, where the projection would have rounded its output, so the decode step
+    needs no kernel of its own for that sum."""
     if "rope_op" not in _state:
         load()
     length = key_cache.shape[-2]

@@ -200,6 +200,86 @@ def test_rope_kernel_equals_rotary_cache_write_and_attention(batch, heads, kv, d
     torch.testing.assert_close(out, ref_all, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("split", [2, 4])
+def test_rope_kernel_sums_float32_partials_of_its_projections(split):
+    """Query, key and value given as a split-K GEMM's float32 partial sums (split, rows, heads, dim):
+    the kernel's output and cache write equal those of the summed projections."""
+    from hf_zero3.kernels import gqa_decode
+
+    batch, heads, kv, dim, length, pos = 3, 8, 2, 16, 70, 37
+    q, k, v, cos, sin, kc, vc, keep = _rope_case(11, batch, heads, kv, dim, length, pos)
+    g = torch.Generator().manual_seed(split)
+
+    def partials(t):
+        parts = torch.randn(split, *t.shape, generator=g)
+        parts[-1] = t - parts[:-1].sum(0)
+        return parts
+
+    qp, kp, vp = partials(q), partials(k), partials(v)
+    want_k, want_v = kc.clone(), vc.clone()
+    want = gqa_decode.rope_decode_attention(qp.sum(0), kp.sum(0), vp.sum(0), cos, sin, want_k, want_v,
+                                            torch.tensor(pos), keep, dim ** -0.5)
+    got_k, got_v = kc.clone(), vc.clone()
+    got = gqa_decode.rope_decode_attention(qp, kp, vp, cos, sin, got_k, got_v, torch.tensor(pos), keep, dim ** -0.5)
+    assert got.dtype == kc.dtype and got.shape == (batch, 1, heads, dim)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_k, want_k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_v, want_v, rtol=1e-5, atol=1e-5)
+
+
+def test_llama_decode_steps_with_qkv_partials_match_the_fused_projection(monkeypatch):
+    """A Llama whose fused q/k/v projection runs through the split-K GEMM, its float32 partials
+    summed inside the rope kernel (the decode loop's ``qkv`` op): the same logits and cache as the
+    fused projection's own GEMM feeding the same kernel, and the kernel really received partials.
+    In float32 (the interpreter's bf16 dot is not exact; the GPU runs bf16): the test widens the
+    dtypes the partials take, which on a GPU are half precision only."""
+    from transformers import StaticCache
+
+    from hf_zero3.generation import decode_attention, fused_projections
+    from hf_zero3.kernels import decode_gemm, gqa_decode
+    from hf_zero3.testing import models
+
+    cfg = models.tiny_llama_config(attn_implementation="sdpa", hidden_size=1024, intermediate_size=64,
+                                   num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=1)
+    model = models.plain_model(cfg)
+    monkeypatch.setattr(fused_projections, "PARTIAL_DTYPES", (torch.float32,))
+    names = decode_attention.rope_plan(model, decode_attention.KERNEL)
+    fused = fused_projections.Fused(fused_projections.plan(model))
+    assert fused.bind(model) == 1
+    split_op = decode_gemm.load()[2]  # the plain launch of the split-K kernel (dependent ones need a GPU)
+    seen, real = [], gqa_decode.rope_decode_attention
+    monkeypatch.setattr(gqa_decode, "rope_decode_attention", lambda *a, **k: seen.append(a[0].dim()) or real(*a, **k))
+    ids, mask = torch.tensor([[0, 5, 6, 7], [3, 4, 5, 6]]), torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    runs = {}
+    for qkv in (None, split_op):
+        cache = StaticCache(config=model.config, max_cache_len=16)
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+            bound = decode_attention.rope_bind(model, names, cache)
+            whole = torch.ones(2, 16, dtype=mask.dtype)
+            whole[:, :4] = mask
+            logits = []
+            for n, tok in enumerate(([[11], [12]], [[13], [14]])):
+                positions = (whole[:, : 5 + n].cumsum(-1) - 1)[:, -1:]
+                with (decode_attention.use(model, decode_attention.KERNEL), fused.use(),
+                      decode_attention.rope_use(bound, whole, qkv=qkv)):
+                    logits.append(model(input_ids=torch.tensor(tok), attention_mask=whole, position_ids=positions,
+                                        past_key_values=cache, use_cache=True).logits.float())
+                decode_attention.advance(bound, cache)
+        runs[qkv is None] = (logits, cache.layers[0].keys.float().clone(), cache.layers[0].values.float().clone())
+        assert decode_attention._STEP["qkv"] is None  # reset after the step
+    assert seen == [3, 3, 4, 4]  # the projections' outputs, then partials (split, rows, heads, dim)
+    (own, k1, v1), (ours, k2, v2) = runs[True], runs[False]
+    for a, b in zip(ours, own):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(k2, k1, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(v2, v1, rtol=1e-4, atol=1e-4)
+    monkeypatch.setattr(fused_projections, "PARTIAL_DTYPES", (torch.float16, torch.bfloat16))
+    # float32 weights outside the test's widening: the projections' own GEMM
+    assert fused_projections.partials(model.model.layers[0].self_attn, torch.ones(2, 1, 1024), split_op, 2) is None
+    fused.free()
+
+
 def test_llama_decode_steps_with_the_rope_kernel_match_its_own_attention(monkeypatch):
     """A real Llama with transformers' StaticCache: two decode steps through the modules' one-kernel
     decode forward (the fill counts advanced once per step, after the forward), reading
@@ -278,10 +358,14 @@ def test_the_decode_switches_read_on_and_opt_in(monkeypatch):
     # agreements opt-in
     from hf_zero3.generation import decode_attention, graph_decode
 
-    for switch in ("HF_ZERO3_FUSE_ROPE", "HF_ZERO3_RUN_AHEAD", "HF_ZERO3_PDL"):
+    for switch in ("HF_ZERO3_FUSE_ROPE", "HF_ZERO3_RUN_AHEAD", "HF_ZERO3_PDL", "HF_ZERO3_TRITON_QKV"):
         monkeypatch.delenv(switch, raising=False)
     assert decode_attention.rope_enabled() and not graph_decode.ahead_enabled() and graph_decode.pdl_enabled()
+    assert decode_attention.rope_qkv_enabled()
+    assert decode_attention.rope_qkv("cpu", False) is None  # q/k/v partials only with dependent launches
     monkeypatch.setenv("HF_ZERO3_FUSE_ROPE", "off")
     monkeypatch.setenv("HF_ZERO3_RUN_AHEAD", "on")
     monkeypatch.setenv("HF_ZERO3_PDL", "0")
+    monkeypatch.setenv("HF_ZERO3_TRITON_QKV", "0")
     assert not decode_attention.rope_enabled() and graph_decode.ahead_enabled() and not graph_decode.pdl_enabled()
+    assert not decode_attention.rope_qkv_enabled() and decode_attention.rope_qkv("cuda", True) is None

@@ -178,9 +178,13 @@ def test_dependent_launches_fall_back_quietly_by_default_and_say_why_when_asked(
         assert gd.dependent_launches("cpu") is False and gd.dependent_launches("cpu") is False
     said = [r.getMessage() for r in caplog.records if "HF_ZERO3_PDL" in r.getMessage()]
     assert len(said) == 1 and why in said[0], said
+    assert default.qkv is None  # the q/k/v partials ride on dependent launches
     monkeypatch.setenv("HF_ZERO3_PDL", "0")
     off, kept = gd._loop_for(model, ids, [], cfg, None, None, cache)
     assert not kept and off is not default and off.dependent is False
+    monkeypatch.setenv("HF_ZERO3_TRITON_QKV", "0")  # part of the key too
+    qkv_off, kept = gd._loop_for(model, ids, [], cfg, None, None, cache)
+    assert not kept and qkv_off is not off
     release_decode_graphs(model)
 
 

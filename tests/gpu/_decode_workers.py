@@ -53,7 +53,7 @@ def compiled_decode(new_tokens: int = 48):
                              forwards=st.forwards, compiles=st.compiles, attention=st.attention,
                              mlp_kernels=st.mlp_kernels, split_k=st.split_k, prefill=st.prefill,
                              prefill_reason=st.prefill_reason, rope_attention=st.rope_attention,
-                             dependent_launches=st.dependent_launches)
+                             dependent_launches=st.dependent_launches, qkv_partials=st.qkv_partials)
         # the same call again, back to back: it replays the graphs the last one captured (the
         # parameters and the new call's cache tensors land where the last ones were), the same tokens
         again = hf_zero3.lockstep_generate(engine, input_ids=ids, gather="all", decode="compiled", do_sample=False,

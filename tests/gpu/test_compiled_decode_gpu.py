@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 def test_compiled_decode_matches_eager_logits_and_does_not_recompile():
     from _decode_workers import compiled_decode
 
-    from hf_zero3.generation import graph_decode
+    from hf_zero3.generation import decode_attention, graph_decode
     from hf_zero3.kernels import decode_gemm
 
     res = _run(compiled_decode, timeout=800)
@@ -34,6 +34,8 @@ def test_compiled_decode_matches_eager_logits_and_does_not_recompile():
         assert g["rope_attention"] == 4, g  # rotary + cache write + attention in one kernel, every layer
         # programmatic dependent launches by default on an H100/H200, none with HF_ZERO3_PDL=0
         assert g["dependent_launches"] == (graph_decode.pdl_enabled() and decode_gemm.dependent_unavailable("cuda") is None), g
+        # with them, the fused q/k/v projection through the split-K GEMM into the rope kernel
+        assert g["qkv_partials"] == (g["dependent_launches"] and decode_attention.rope_qkv_enabled()), g
         print("graphs:", g)  # for the record (mlp_kernels: MLPs through hf_zero3's Triton GEMMs)
         gtf = r["graphs_teacher_forced"]
         assert gtf["tokens"] > 0 and gtf["max_margin"] <= 0.05 * max(1.0, gtf["max_abs_logit"]), gtf

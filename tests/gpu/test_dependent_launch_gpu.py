@@ -129,3 +129,48 @@ def test_dependent_rope_attention_computes_the_plain_launchs_result():
         outs[dependent] = (out.clone(), ck.clone(), cv.clone(), int(n))
     assert torch.equal(outs[True][0], outs[False][0]) and torch.equal(outs[True][1], outs[False][1])
     assert torch.equal(outs[True][2], outs[False][2]) and outs[True][3] == outs[False][3] == 101
+
+
+def test_qkv_partials_into_the_rope_kernel_match_the_projections_gemm():
+    """The decode step's fused q/k/v projection through the dependent split-K GEMM, its float32
+    partials summed in the dependent rope kernel (``HF_ZERO3_TRITON_QKV``), compiled and replayed
+    from a CUDA graph: the attention and the cache it writes within bf16 rounding of cuBLAS's
+    projection feeding the same kernel (the sums round once, in another order)."""
+    from test_gqa_decode_kernel_gpu import _rope_case
+
+    from hf_zero3.kernels import decode_gemm, gqa_decode
+
+    _, _, _, cos, sin, kc, vc, keep = _rope_case()
+    rows, heads, kv, dim = 64, 32, 8, 64
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(rows, 2048, generator=g, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn((heads + 2 * kv) * dim, 2048, generator=g, device="cuda", dtype=torch.bfloat16) * 2048 ** -0.5
+    sizes = [heads * dim, kv * dim, kv * dim]
+    split_op = decode_gemm.load_dependent("cuda")[1]
+
+    def cublas(x, ck, cv, n):
+        q, k, v = torch.nn.functional.linear(x, w).split(sizes, -1)
+        return gqa_decode.rope_decode_attention(q.view(rows, heads, dim), k.view(rows, kv, dim),
+                                                v.view(rows, kv, dim), cos, sin, ck, cv, n, keep, 0.125,
+                                                dependent=True)
+
+    def partials(x, ck, cv, n):
+        q, k, v = split_op(x, w, 4).split(sizes, -1)
+        return gqa_decode.rope_decode_attention(q.view(4, rows, heads, dim), k.view(4, rows, kv, dim),
+                                                v.view(4, rows, kv, dim), cos, sin, ck, cv, n, keep, 0.125,
+                                                dependent=True)
+
+    results = {}
+    for name, fn in (("cublas", cublas), ("partials", partials)):
+        ck, cv, n = kc.clone(), vc.clone(), torch.tensor(100, device="cuda")
+        torch._dynamo.reset()
+        graph, out = _graph(torch.compile(fn, fullgraph=True), x, ck, cv, n)
+        ck.copy_(kc)
+        cv.copy_(vc)
+        graph.replay()
+        results[name] = (out.float().clone(), ck[:, :, 100].float().clone(), cv[:, :, 100].float().clone())
+    for got, want in zip(results["partials"], results["cublas"]):
+        assert got.abs().max() > 0
+        torch.testing.assert_close(got, want, rtol=0.02, atol=0.02)
+    print("q/k/v partials vs cuBLAS's projection, max abs diff (attention, key, value):",
+          [round((a - b).abs().max().item(), 5) for a, b in zip(results["partials"], results["cublas"])])
