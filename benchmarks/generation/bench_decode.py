@@ -20,10 +20,13 @@ any configuration). (A Python stopping criterion would move every configuration 
 transformers' loop, so the lengths are applied in the count, not in the loop.)
 
 Model: Llama-3.2-1B shape in code (random weights, bf16) under ZeRO-3 on every GPU (up to 2).
-Each configuration runs once to compile, then ``BENCH_REPS`` more times (default 3; HF eager and
+Each configuration runs once to compile, then ``BENCH_REPS`` more times (default 5; HF eager and
 per-layer, which take seconds, once); ``seconds`` is the median of those (a repeated rollout: the
 static loop replays the graphs its first call captured, ``graphs_reused``), ``seconds_all`` every
-one, and the first call's extra time over the median is reported as compile seconds. A
+one (``capture_s_all``: the host seconds each spent capturing CUDA graphs), and the first call's
+extra time over the median is reported as compile seconds. (Five, not three, since session 17:
+the first timed call of a static-loop row is often 1.5-2x the rest, and the median of three was
+then the slower of the other two.) A
 configuration named twice in ``BENCH_CONFIGS`` is measured twice (the second row's name gets
 ``#2``): the drift of the host between the two. ``floor_tok_s``: batch / (bf16 weight bytes / HBM
 bandwidth), the tokens/s a decode step that only streams the weights once would reach
@@ -46,7 +49,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 from common import llama_1b_config, save, set_switches, table, world_and_backend  # noqa: E402
 
 MAX_NEW = int(os.environ.get("BENCH_MAX_NEW", 128))
-REPS = int(os.environ.get("BENCH_REPS", 3))  # timed calls after the compiling one
+REPS = int(os.environ.get("BENCH_REPS", 5))  # timed calls after the compiling one
 BATCHES = [int(b) for b in os.environ.get("BENCH_BATCHES", "8,64").split(",")]
 PROMPT = 64
 PARTIAL = os.path.join(os.environ.get("OUT", HERE), "decode_partial.jsonl")
@@ -130,7 +133,7 @@ def rank_main():
         for name in CONFIGS:
             label = name if name not in seen else f"{name}#2"
             seen.add(name)
-            times, outs = [], []
+            times, outs, captures = [], [], []
             hf_zero3.release_decode_graphs(module)  # each configuration builds its own loop
             set_switches(OURS[name][2] if name in OURS else {}, SWITCHES)
             # the seconds-long baselines (HF eager, per-layer) are timed once
@@ -144,6 +147,7 @@ def rank_main():
                     outs.append(generate(name, kw))
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - t)
+                captures.append(getattr(getattr(module, "hf_zero3_last_generate", None), "graph_capture_s", None))
                 if rep == 0:
                     first_capture = getattr(getattr(module, "hf_zero3_last_generate", None), "graph_capture_s", None)
             timed = sorted(times[1:])
@@ -158,6 +162,7 @@ def rank_main():
                              decode=getattr(ours, "decode", None), loop=getattr(ours, "loop", None),
                              graph_steps=getattr(ours, "graph_steps", None),
                              capture_s=getattr(ours, "graph_capture_s", None),
+                             capture_s_all=captures[1:] if ours is not None else None,
                              first_call_capture_s=first_capture, graphs_reused=getattr(ours, "graphs_reused", None),
                              attention=getattr(ours, "attention", None),
                              fused_projections=getattr(ours, "fused_projections", None),

@@ -20,4 +20,4 @@ else:
         r = json.loads(line)
         print(r["config"], r.get("loop"), round(r["seconds"], 4), [round(s, 4) for s in r["seconds_all"]],
               "pdl", r.get("dependent_launches"), "compile", round(r["compile_s"], 1),
-              "same", r.get("same_tokens_both_calls"))  # the floor fraction: in the final table only
+              "same", r.get("same_tokens_both_calls"), "captures", r.get("capture_s_all"))  # floor fraction: final table

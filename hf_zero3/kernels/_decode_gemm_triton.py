@@ -1,5 +1,7 @@
 """The Triton kernels of :mod:`.decode_gemm` (imported only when it builds them).
 
+``EVEN`` (a constexpr): every block the launch may take divides the weight's rows and the
+reduction (:func:`.decode_gemm._even`), so the tiles load without masks but the activations' rows.
 ``PDL``, ``PREFETCH`` (constexprs every launch passes: inductor's calls of a ``triton_op``
 kernel take no parameter defaults): with ``PDL`` the kernel is launched as a programmatic
 dependent launch (where :func:`.decode_gemm.dependent_unavailable` finds none missing). It may then
@@ -39,23 +41,34 @@ def dependent_start(W, W2, rows, stride, R, k0, PDL: tl.constexpr, PREFETCH: tl.
 
 
 @triton.jit
-def tile(P, rows, stride, k, rk, R, K: tl.constexpr):
-    """Rows ``rows`` (of ``R``), columns ``k + rk`` (of ``K``) of a row-major matrix, zero outside."""
-    return tl.load(P + rows[:, None] * stride + (k + rk)[None, :],
-                   mask=(rows[:, None] < R) & ((k + rk)[None, :] < K), other=0.0)
+def tile(P, rows, stride, k, rk, R, K: tl.constexpr, ROWS_IN: tl.constexpr, COLS_IN: tl.constexpr):
+    """Rows ``rows`` (of ``R``), columns ``k + rk`` (of ``K``) of a row-major matrix, zero outside.
+    ``ROWS_IN``/``COLS_IN``: every row/column of the tile is inside (the launch knows the blocks
+    divide the matrix), so the load takes no mask there. A mask on a weight tile's rows cost the
+    kernels every register (255 and spills to local memory at 64 rows, compiled for sm_90)."""
+    ptrs = P + rows[:, None] * stride + (k + rk)[None, :]
+    if ROWS_IN and COLS_IN:
+        t = tl.load(ptrs)
+    elif ROWS_IN:
+        t = tl.load(ptrs, mask=(k + rk)[None, :] < K, other=0.0)
+    elif COLS_IN:
+        t = tl.load(ptrs, mask=rows[:, None] < R, other=0.0)
+    else:
+        t = tl.load(ptrs, mask=(rows[:, None] < R) & ((k + rk)[None, :] < K), other=0.0)
+    return t
 
 
 @triton.jit
 def linear_kernel(X, W, O, M, N, sxm, swn, som, K: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                  PDL: tl.constexpr, PREFETCH: tl.constexpr, EVEN: tl.constexpr):
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     dependent_start(W, W, rn, swn, N, 0, PDL, PREFETCH, False)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(0, K, BLOCK_K):
-        acc += tl.dot(tile(X, rm, sxm, k, rk, M, K), tl.trans(tile(W, rn, swn, k, rk, N, K)))
+        acc += tl.dot(tile(X, rm, sxm, k, rk, M, K, False, EVEN), tl.trans(tile(W, rn, swn, k, rk, N, K, EVEN, EVEN)))
     tl.store(O + rm[:, None] * som + rn[None, :], acc.to(O.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
@@ -63,7 +76,7 @@ def linear_kernel(X, W, O, M, N, sxm, swn, som, K: tl.constexpr,
 @triton.jit
 def gate_up_kernel(X, WG, WU, O, M, N, sxm, swn, som, K: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                   PDL: tl.constexpr, PREFETCH: tl.constexpr, EVEN: tl.constexpr):
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     dependent_start(WG, WU, rn, swn, N, 0, PDL, PREFETCH, True)
@@ -71,9 +84,9 @@ def gate_up_kernel(X, WG, WU, O, M, N, sxm, swn, som, K: tl.constexpr,
     gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(0, K, BLOCK_K):
-        x = tile(X, rm, sxm, k, rk, M, K)
-        gate += tl.dot(x, tl.trans(tile(WG, rn, swn, k, rk, N, K)))
-        up += tl.dot(x, tl.trans(tile(WU, rn, swn, k, rk, N, K)))
+        x = tile(X, rm, sxm, k, rk, M, K, False, EVEN)
+        gate += tl.dot(x, tl.trans(tile(WG, rn, swn, k, rk, N, K, EVEN, EVEN)))
+        up += tl.dot(x, tl.trans(tile(WU, rn, swn, k, rk, N, K, EVEN, EVEN)))
     # the model's dtype between the GEMMs and the activation, as eager rounds them
     g = gate.to(O.dtype.element_ty).to(tl.float32)
     u = up.to(O.dtype.element_ty).to(tl.float32)
@@ -85,7 +98,7 @@ def gate_up_kernel(X, WG, WU, O, M, N, sxm, swn, som, K: tl.constexpr,
 @triton.jit
 def linear_split_kernel(X, W, P, M, N, sxm, swn, spk, spm, K: tl.constexpr, SPLIT: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                        PDL: tl.constexpr, PREFETCH: tl.constexpr, EVEN: tl.constexpr):
     """Split-K ``x @ W.T``: program (n, s) reduces the s-th of ``SPLIT`` equal slices of the
     reduction and writes its float32 partial sum to ``P[s]`` (the consumer sums them)."""
     rm = tl.arange(0, BLOCK_M)
@@ -95,6 +108,7 @@ def linear_split_kernel(X, W, P, M, N, sxm, swn, spk, spm, K: tl.constexpr, SPLI
     dependent_start(W, W, rn, swn, N, k0, PDL, PREFETCH, False)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(0, K // SPLIT, BLOCK_K):
-        acc += tl.dot(tile(X, rm, sxm, k0 + k, rk, M, K), tl.trans(tile(W, rn, swn, k0 + k, rk, N, K)))
+        acc += tl.dot(tile(X, rm, sxm, k0 + k, rk, M, K, False, EVEN),
+                      tl.trans(tile(W, rn, swn, k0 + k, rk, N, K, EVEN, EVEN)))
     tl.store(P + tl.program_id(1) * spk + rm[:, None] * spm + rn[None, :], acc,
              mask=(rm[:, None] < M) & (rn[None, :] < N))

@@ -64,6 +64,13 @@ def _kernels():
     return _state["kernels"]
 
 
+def _even(n: int, k: int, configs) -> bool:
+    """Every launch configuration in ``configs`` (the one given, or all the autotuner may pick)
+    has blocks dividing ``n`` output columns and a reduction (slice) of ``k``: the kernels then load
+    their tiles unmasked (the ``EVEN`` constexpr; a masked weight tile spilled registers)."""
+    return all(n % c["BLOCK_N"] == 0 and k % c["BLOCK_K"] == 0 for c in configs)
+
+
 def _call(kernel, x: torch.Tensor, weights: tuple[torch.Tensor, ...], meta: dict,
           dependent: dict | None = None) -> torch.Tensor:
     """Launch ``kernel`` over ``x`` (2-D, contiguous rows) and same-shaped ``weights``: one
@@ -75,10 +82,13 @@ def _call(kernel, x: torch.Tensor, weights: tuple[torch.Tensor, ...], meta: dict
     m, k = x.shape
     n = weights[0].shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    meta = dict(meta)
+    even = meta.pop("EVEN", None)  # given: the probe's masked tiles on a shape the blocks divide
+    even = _even(n, k, [meta] if meta else CONFIGS) if even is None else even
     grid = (triton.cdiv(n, meta["BLOCK_N"]),) if meta else (lambda cfg: (triton.cdiv(n, cfg["BLOCK_N"]),))
     (kernel if dependent else _triton.launcher(kernel))[grid](
         x, *weights, out, m, n, x.stride(0), weights[0].stride(0), out.stride(0), K=k,
-        BLOCK_M=max(16, triton.next_power_of_2(m)), **meta, **(dependent or _PLAIN))
+        BLOCK_M=max(16, triton.next_power_of_2(m)), EVEN=even, **meta, **(dependent or _PLAIN))
     return out
 
 
@@ -103,10 +113,15 @@ def _call_split(kernel, x: torch.Tensor, weight: torch.Tensor, split: int, meta:
     m, k = x.shape
     n = weight.shape[0]
     out = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    meta = dict(meta)
+    even = meta.pop("EVEN", None)  # given: the probe's masked tiles on a shape the blocks divide
     grid = (triton.cdiv(n, meta["BLOCK_N"]), split) if meta else (lambda cfg: (triton.cdiv(n, cfg["BLOCK_N"]), split))
+    if even is None:  # the autotuner prunes the blocks that do not divide a slice (_split_prune)
+        even = k % split == 0 and _even(n, k // split, [meta] if meta else
+                                        [c for c in SPLIT_CONFIGS if (k // split) % c["BLOCK_K"] == 0])
     (kernel if dependent else _triton.launcher(kernel))[grid](
         x, weight, out, m, n, x.stride(0), weight.stride(0), out.stride(0), out.stride(1), K=k, SPLIT=split,
-        BLOCK_M=max(16, triton.next_power_of_2(m)), **meta, **(dependent or _PLAIN))
+        BLOCK_M=max(16, triton.next_power_of_2(m)), EVEN=even, **meta, **(dependent or _PLAIN))
     return out
 
 

@@ -49,8 +49,15 @@ def main():
     cases.append(("gqa_decode_rope_attention padding mask scale=fp64", jit["rope"],
                   dict(Q="*bf16", KN="*bf16", VN="*bf16", COS="*bf16", SIN="*bf16", KC="*bf16", VC="*bf16",
                        P="*i64", M="*i64", O="*bf16"), {**attention, "MASK": 1, "PDL": False, "SPLIT": 1}, "fp64"))
-    tiles = dict(K=2048, BLOCK_M=64, BLOCK_N=32, BLOCK_K=128)
+    tiles = dict(K=2048, BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, EVEN=True)  # unmasked tiles (blocks divide)
+    ragged = dict(tiles, EVEN=False)  # masked tiles: a shape the blocks do not divide
     cases += [("decode_linear", gemm.linear_kernel, dict(X="*bf16", W="*bf16", O="*bf16"), {**tiles, **plain}, None),
+              ("decode_linear ragged", gemm.linear_kernel, dict(X="*bf16", W="*bf16", O="*bf16"), {**ragged, **plain},
+               None),
+              ("decode_gate_up_silu ragged", gemm.gate_up_kernel, dict(X="*bf16", WG="*bf16", WU="*bf16", O="*bf16"),
+               {**ragged, **plain}, None),
+              ("decode_linear_split ragged", gemm.linear_split_kernel, dict(X="*bf16", W="*bf16", P="*fp32"),
+               {**ragged, "SPLIT": 4, **plain}, None),
               ("decode_gate_up_silu", gemm.gate_up_kernel, dict(X="*bf16", WG="*bf16", WU="*bf16", O="*bf16"),
                {**tiles, **plain}, None),
               ("decode_linear_split", gemm.linear_split_kernel, dict(X="*bf16", W="*bf16", P="*fp32"),

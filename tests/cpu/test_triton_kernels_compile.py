@@ -24,7 +24,7 @@ def test_every_kernel_compiles_for_sm90():
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     if "skip" in result:
         pytest.skip(result["skip"])
-    assert len(result) == 20, result
+    assert len(result) == 23, result
     failed = {k: v for k, v in result.items() if v != "ok"}
     assert not failed, failed
 
