@@ -4,7 +4,9 @@
 # count). (1) the attention probe, this kernel against session 16's (ATTENTION_PROBE_BASELINE, a
 # copy of 59b059a's gqa_decode.py carried in .probe/) at the same settings, same run; (2) the
 # kernel GPU tests; (3) batch 64: static cache, defaults twice; (4) one traced call at the defaults.
-# Run as `CALL_LIMIT=585 bash benchmarks/gpu_calls/session17_call1.sh` (carry .whl, .probe).
+# Run as `CALL_LIMIT=585 bash benchmarks/gpu_calls/session17_call1.sh` (carry .whl, .probe), after
+# `mkdir -p .probe && git show 59b059a:hf_zero3/kernels/gqa_decode.py > .probe/gqa_decode_session16.py`
+# (.probe/ is not in the repository).
 . benchmarks/gpu_calls/_preamble.sh
 LIMIT=${CALL_LIMIT:-585}
 ATTENTION_PROBE_BASELINE=$PWD/.probe/gqa_decode_session16.py timeout 150 python3 benchmarks/generation/attention_probe.py > $OUT/probe.log 2>&1; echo "attention probe rc=$? at ${SECONDS}s"

@@ -21,6 +21,12 @@ on 1xH200 it made a batch-64 rollout 4-5 % slower, benchmarks/RESULTS.md session
 stack of the step's GEMMs in one CUDA graph: 706 -> 652 us at 64 rows, 631 -> 622 us at 8
 (``tests/gpu/test_dependent_launch_gpu.py``).
 
+Tiles load without masks where every block a launch may take divides the weight's rows and the
+reduction (:func:`_even`, the kernels' ``EVEN``): compiled for sm_90, a mask on a weight tile's rows
+took every register (255) and spilled at 64 rows; on 1xH200 the unmasked split-K GEMMs ran 2-4 %
+faster in the probe, gate/up the same (``benchmarks/generation/decode_gemm_probe.py``,
+``PROBE_MASKED=1``, session 17).
+
 Loaded lazily; :func:`is_available` as in :mod:`.gqa_decode` (Triton, ``torch.library``).
 """
 
