@@ -8,8 +8,7 @@
 # call at the defaults (where a step's time goes now; kernels_overlapping counts dependent starts).
 . benchmarks/gpu_calls/_preamble.sh
 LIMIT=${CALL_LIMIT:-585}
-timeout 120 python3 -m pytest -q -s -m gpu tests/gpu/test_runtime_gpu.py -k static_loop > $OUT/runtime_test.log 2>&1; echo "runtime static_loop gpu test rc=$? at ${SECONDS}s"
-tail -1 $OUT/runtime_test.log | cut -c1-300; grep -m8 "^E  \|rope_attention\|hf_zero3 lockstep" $OUT/runtime_test.log | cut -c1-400
+gpu_pytest "runtime static_loop gpu test" 120 runtime_test.log tests/gpu/test_runtime_gpu.py -k static_loop
 BENCH_BATCHES=64 BENCH_CONFIGS=hf_eager_gathered,hf_static_gathered,hf_zero3_graphs,hf_zero3_graphs_no_pdl,hf_zero3_graphs_sync1,hf_zero3_graphs \
   timeout 300 python3 benchmarks/generation/bench_decode.py > $OUT/bench64.log 2>&1; echo "decode batch 64 rc=$? at ${SECONDS}s"
 mv $OUT/decode.json $OUT/decode64.json 2>/dev/null; rm -f $OUT/decode_partial.jsonl

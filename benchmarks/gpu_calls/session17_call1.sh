@@ -11,8 +11,7 @@
 LIMIT=${CALL_LIMIT:-585}
 ATTENTION_PROBE_BASELINE=$PWD/.probe/gqa_decode_session16.py timeout 150 python3 benchmarks/generation/attention_probe.py > $OUT/probe.log 2>&1; echo "attention probe rc=$? at ${SECONDS}s"
 grep -A40 "^| batch" $OUT/probe.log | cut -c1-200; grep -m5 "Error" $OUT/probe.log | cut -c1-300
-timeout 120 python3 -m pytest -q -s -m gpu tests/gpu/test_gqa_decode_kernel_gpu.py > $OUT/kernel_test.log 2>&1; echo "kernel gpu tests rc=$? at ${SECONDS}s"
-tail -1 $OUT/kernel_test.log | cut -c1-300; grep -m8 "^E  " $OUT/kernel_test.log | cut -c1-400
+gpu_pytest "kernel gpu tests" 120 kernel_test.log tests/gpu/test_gqa_decode_kernel_gpu.py
 BENCH_BATCHES=64 BENCH_CONFIGS=hf_static_gathered,hf_zero3_graphs,hf_zero3_graphs \
   timeout 240 python3 benchmarks/generation/bench_decode.py > $OUT/bench64.log 2>&1; echo "decode batch 64 rc=$? at ${SECONDS}s"
 grep -m5 "Error\|error:\|hf_zero3 lockstep" $OUT/bench64.log | cut -c1-400

@@ -7,8 +7,7 @@
 # Run as `CALL_LIMIT=585 bash benchmarks/gpu_calls/session17_call2.sh` (carry .whl).
 . benchmarks/gpu_calls/_preamble.sh
 LIMIT=${CALL_LIMIT:-585}
-timeout 150 python3 -m pytest -q -s -m gpu tests/gpu/test_dependent_launch_gpu.py tests/gpu/test_gqa_decode_kernel_gpu.py > $OUT/kernel_test.log 2>&1; echo "kernel + dependent gpu tests rc=$? at ${SECONDS}s"
-tail -1 $OUT/kernel_test.log | cut -c1-300; grep -m12 "^E  \|us per replay\|max abs diff\|Error" $OUT/kernel_test.log | cut -c1-400
+gpu_pytest "kernel + dependent gpu tests" 150 kernel_test.log tests/gpu/test_dependent_launch_gpu.py tests/gpu/test_gqa_decode_kernel_gpu.py
 left=$((LIMIT - SECONDS - 5))
 BENCH_BATCHES=64 BENCH_CONFIGS=hf_static_gathered,hf_zero3_graphs,hf_zero3_graphs_cublas_qkv,hf_zero3_graphs,hf_zero3_graphs_cublas_qkv \
   timeout $left python3 benchmarks/generation/bench_decode.py > $OUT/bench64.log 2>&1; echo "decode batch 64 rc=$? at ${SECONDS}s"

@@ -9,12 +9,10 @@
 # Run as `CALL_LIMIT=590 bash benchmarks/gpu_calls/session17_call3.sh` (carry .whl).
 . benchmarks/gpu_calls/_preamble.sh
 LIMIT=${CALL_LIMIT:-590}
-timeout 100 python3 -m pytest -q -s -m gpu tests/gpu/test_dependent_launch_gpu.py > $OUT/pdl_test.log 2>&1; echo "dependent launch gpu tests rc=$? at ${SECONDS}s"
-tail -1 $OUT/pdl_test.log | cut -c1-300; grep -m12 "^E  \|us per replay\|max abs diff\|Error" $OUT/pdl_test.log | cut -c1-400
+gpu_pytest "dependent launch gpu tests" 100 pdl_test.log tests/gpu/test_dependent_launch_gpu.py
 PROBE_MASKED=1 PROBE_ROWS=64 timeout 110 python3 benchmarks/generation/decode_gemm_probe.py > $OUT/gemm_probe.log 2>&1; echo "gemm probe rc=$? at ${SECONDS}s"
 grep -A20 "^| shape" $OUT/gemm_probe.log | cut -c1-220
-timeout 160 python3 -m pytest -q -s -m gpu tests/gpu/test_compiled_decode_gpu.py > $OUT/gpu_test.log 2>&1; echo "compiled decode gpu test rc=$? at ${SECONDS}s"
-tail -1 $OUT/gpu_test.log | cut -c1-300; grep -m8 "^E  \|^graphs:\|hf_zero3 lockstep" $OUT/gpu_test.log | cut -c1-600
+gpu_pytest "compiled decode gpu test" 160 gpu_test.log tests/gpu/test_compiled_decode_gpu.py
 left=$((LIMIT - SECONDS - 100))
 BENCH_BATCHES=64 BENCH_CONFIGS=hf_eager_gathered,hf_static_gathered,hf_zero3_graphs,hf_zero3_graphs_cublas_qkv,hf_zero3_graphs \
   timeout $left python3 benchmarks/generation/bench_decode.py > $OUT/bench64.log 2>&1; echo "decode batch 64 rc=$? at ${SECONDS}s"

@@ -6,8 +6,7 @@
 # Run as `CALL_LIMIT=300 bash benchmarks/gpu_calls/session17_call4.sh` (carry .whl).
 . benchmarks/gpu_calls/_preamble.sh
 LIMIT=${CALL_LIMIT:-300}
-timeout 110 python3 -m pytest -q -s -m gpu tests/gpu/test_runtime_gpu.py -k static_loop > $OUT/runtime_test.log 2>&1; echo "runtime static_loop gpu test rc=$? at ${SECONDS}s"
-tail -1 $OUT/runtime_test.log | cut -c1-300; grep -m8 "^E  \|hf_zero3 lockstep" $OUT/runtime_test.log | cut -c1-400
+gpu_pytest "runtime static_loop gpu test" 110 runtime_test.log tests/gpu/test_runtime_gpu.py -k static_loop
 left=$((LIMIT - SECONDS - 5))
 BENCH_BATCHES=64 BENCH_CONFIGS=hf_zero3_graphs,hf_zero3_graphs_ahead,hf_zero3_graphs,hf_zero3_graphs_ahead \
   timeout $left python3 benchmarks/generation/bench_decode.py > $OUT/bench64.log 2>&1; echo "decode batch 64 rc=$? at ${SECONDS}s"

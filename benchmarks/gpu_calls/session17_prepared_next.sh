@@ -7,8 +7,7 @@
 # times each, alternating; (3) the prompt's forward with a C++ wrapper (never run on a GPU).
 . benchmarks/gpu_calls/_preamble.sh
 LIMIT=${CALL_LIMIT:-585}
-timeout 150 python3 -m pytest -q -s -m gpu tests/gpu/test_dependent_launch_gpu.py > $OUT/pdl_test.log 2>&1; echo "dependent launch gpu tests rc=$? at ${SECONDS}s"
-tail -1 $OUT/pdl_test.log | cut -c1-300; grep -m12 "^E  \|us per replay\|max abs diff\|Error" $OUT/pdl_test.log | cut -c1-400
+gpu_pytest "dependent launch gpu tests" 150 pdl_test.log tests/gpu/test_dependent_launch_gpu.py
 left=$((LIMIT - SECONDS - 5))
 BENCH_BATCHES=64 BENCH_CONFIGS=hf_static_gathered,hf_zero3_graphs,hf_zero3_graphs_ahead,hf_zero3_graphs,hf_zero3_graphs_ahead,hf_zero3_graphs,hf_zero3_graphs_ahead,hf_zero3_graphs_cpp_prefill \
   timeout $left python3 benchmarks/generation/bench_decode.py > $OUT/bench64.log 2>&1; echo "decode batch 64 rc=$? at ${SECONDS}s"

@@ -324,8 +324,8 @@ def _rope_forward(module):
         split = decode_gemm.split_for(hidden_states.shape[-1]) if op is not None else 1
         parts = fused_projections.partials(m, hidden_states, op, split) if split > 1 else None
         if parts is not None:  # float32 partial sums (split, rows, features), summed by the kernel
-            q, k, v = parts[0].view(split, b, -1, d), parts[1].view(split, b, -1, d), parts[2]
-            v = v.view(split, b, k.shape[2], -1)
+            q, k = (p.view(split, b, -1, d) for p in parts[:2])
+            v = parts[2].view(split, b, k.shape[2], -1)
         else:
             q = m.q_proj(hidden_states).view(b, -1, d)
             k = m.k_proj(hidden_states).view(b, -1, d)
