@@ -2,7 +2,8 @@
 k/v write and the grouped-query attention as a compiled decode step runs them without the fusion
 (inductor's rotary/index_copy kernels + ``hf_zero3.kernels.gqa_decode``'s attention kernel + the
 fill-count add), against ``gqa_decode.rope_decode_attention`` (all of it in one kernel) over a few
-launch settings (cache positions per block, warps, stages).
+launch settings (cache positions per block, warps, stages; plain and programmatic dependent
+launches).
 
 Llama-3.2-1B shapes (32 query heads, 8 key/value heads, head dim 64, bf16), a 192-position static
 cache filled up to position 128, batch 64 and 8. Each measurement is a CUDA graph of 16 calls over
@@ -29,6 +30,9 @@ from common import graph_us, save, table  # noqa: E402
 LAYERS, REPLAYS, HEADS, KV, DIM, LENGTH, POS = 16, 20, 32, 8, 64, 192, 128
 SETTINGS = [dict(BLOCK=b, num_warps=w, num_stages=s) for b, w, s in [
     (64, 4, 2), (64, 4, 3), (32, 4, 3), (128, 4, 2), (64, 2, 2), (32, 2, 3)]]
+# programmatic dependent launches (the decode loop's default on Hopper): each call may start while
+# the one before runs, up to its wait (the kernel loads its first cache block before it)
+SETTINGS += [dict(BLOCK=b, num_warps=w, num_stages=s, PDL=True, launch_pdl=True) for b, w, s in [(64, 4, 2), (64, 2, 2)]]
 
 
 def _baseline():

@@ -161,14 +161,12 @@ def _build():
                     smb, sms, sob, soh,
                     L: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
                     BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK: tl.constexpr,
-                    MASK: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr):
+                    MASK: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr,
+                    EARLY: tl.constexpr):
         # SPLIT > 1: the query, key and value arrive as SPLIT float32 partial sums of their projection
         # (a split-K GEMM's, strides sqp/sknp/svnp apart); summed here and rounded to the cache's
         # dtype, as the projection would have returned them. Inlined sums, no helper: inductor
         # embeds a triton_op kernel with the helpers it finds in its module, not in this closure
-        if PDL:  # a programmatic dependent launch: wait for the kernel before, release the one after
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
         pid = tl.program_id(0)
         b = pid // KV
         head = pid % KV
@@ -178,54 +176,90 @@ def _build():
         rows = g < G
         in_d = dd < D
         in_dv = dv < DV
+        # EARLY (a dependent launch's order, run by the CPU tests without one): the first cache
+        # block's keys and values (and the fill count) load before the wait of a dependent launch:
+        # no kernel of this step writes them (the positions before the fill count were written by
+        # this layer's earlier steps, the count is advanced between steps), so they load while the
+        # kernel before (the q/k/v projection) still runs; the new token's cache write then comes
+        # last (a store before would order every cache load after it). Otherwise the order a plain
+        # launch measured faster with on one H200: write, then the loop from the first block
+        # (benchmarks/RESULTS.md, session 18)
+        pos = tl.load(P)  # the cache's fill count before this step: the new token's cache position
+        if EARLY:
+            s0 = tl.arange(0, BLOCK)
+            in0 = s0 < tl.minimum(pos, L)
+            kc0 = tl.load(KC + b * skb + head * skh + s0[:, None] * sks + dd[None, :],
+                          mask=in0[:, None] & in_d[None, :], other=0.0)
+            vc0 = tl.load(VC + b * svb + head * svh + s0[:, None] * svs + dv[None, :],
+                          mask=in0[:, None] & in_dv[None, :], other=0.0)
+        if PDL:  # a programmatic dependent launch: wait for the kernel before, release the one after
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         # rotate_half: the first half takes minus the second half's value, the second the first's
         partner = tl.where(dd < D // 2, dd + D // 2, dd - D // 2)
         sign = tl.where(dd < D // 2, -1.0, 1.0)
-        pos = tl.load(P)  # the cache's fill count before this step: the new token's cache position
         cos = tl.load(COS + b * scb + dd, mask=in_d, other=0.0).to(tl.float32)
         sin = tl.load(SIN + b * ssb + dd, mask=in_d, other=0.0).to(tl.float32)
         k = tl.zeros([BLOCK_D], tl.float32)
         kp = tl.zeros([BLOCK_D], tl.float32)
         v_new = tl.zeros([BLOCK_DV], tl.float32)
-        for i in tl.static_range(SPLIT):
-            k += tl.load(KN + i * sknp + b * sknb + head * sknh + dd, mask=in_d, other=0.0).to(tl.float32)
-            kp += tl.load(KN + i * sknp + b * sknb + head * sknh + partner, mask=in_d, other=0.0).to(tl.float32)
-            v_new += tl.load(VN + i * svnp + b * svnb + head * svnh + dv, mask=in_dv, other=0.0).to(tl.float32)
-        k = k.to(KC.dtype.element_ty).to(tl.float32)
-        kp = kp.to(KC.dtype.element_ty).to(tl.float32)
-        v_new = v_new.to(VC.dtype.element_ty).to(tl.float32)
-        k_new = (k * cos + sign * kp * sin).to(KC.dtype.element_ty)  # rounded as the cache stores it
-        tl.store(KC + b * skb + head * skh + pos * sks + dd, k_new, mask=in_d)
-        tl.store(VC + b * svb + head * svh + pos * svs + dv, v_new.to(VC.dtype.element_ty), mask=in_dv)
         qmask = rows[:, None] & in_d[None, :]
         qrow = Q + b * sqb + (head * G + g)[:, None] * sqh
         q = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         qp = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         for i in tl.static_range(SPLIT):
+            k += tl.load(KN + i * sknp + b * sknb + head * sknh + dd, mask=in_d, other=0.0).to(tl.float32)
+            kp += tl.load(KN + i * sknp + b * sknb + head * sknh + partner, mask=in_d, other=0.0).to(tl.float32)
+            v_new += tl.load(VN + i * svnp + b * svnb + head * svnh + dv, mask=in_dv, other=0.0).to(tl.float32)
             q += tl.load(qrow + i * sqp + dd[None, :], mask=qmask, other=0.0).to(tl.float32)
             qp += tl.load(qrow + i * sqp + partner[None, :], mask=qmask, other=0.0).to(tl.float32)
+        if MASK == 1:
+            own = tl.load(M + b * smb + pos * sms) != 0
+        else:
+            own = pos >= 0
+        k = k.to(KC.dtype.element_ty).to(tl.float32)
+        kp = kp.to(KC.dtype.element_ty).to(tl.float32)
+        v_new = v_new.to(VC.dtype.element_ty).to(tl.float32)
+        k_new = (k * cos + sign * kp * sin).to(KC.dtype.element_ty)  # rounded as the cache stores it
+        if not EARLY:
+            tl.store(KC + b * skb + head * skh + pos * sks + dd, k_new, mask=in_d)
+            tl.store(VC + b * svb + head * svh + pos * svs + dv, v_new.to(VC.dtype.element_ty), mask=in_dv)
         q = q.to(KC.dtype.element_ty).to(tl.float32)
         qp = qp.to(KC.dtype.element_ty).to(tl.float32)
         q = (q * cos[None, :] + sign[None, :] * qp * sin[None, :]).to(KC.dtype.element_ty)
-        # the new token's own score from registers (its cache row was just written by this program)
+        # the new token's own score from registers (its cache row is written at the end)
         # float32 whatever the scale arrives as (inductor's fp64 would make the loop's state fp64)
         s_new = (tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale).to(tl.float32)
-        if MASK == 1:
-            own = tl.load(M + b * smb + pos * sms) != 0
-        elif MASK == 2:
+        if MASK == 2:
             s_new = s_new + tl.load(M + b * smb + pos * sms).to(tl.float32)
-            own = pos >= 0
-        else:
-            own = pos >= 0
         m_i = tl.where(own, s_new, float("-inf"))
         l_i = tl.where(own, 1.0, 0.0) + tl.zeros([BLOCK_G], tl.float32)
         acc = tl.where(own, 1.0, 0.0) * v_new.to(tl.float32)[None, :] + tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
-        # the positions filled before this step, block by block up to the fill count (a loop bound
-        # read at run time: the unfilled tail is neither read nor computed). Every load of a block
-        # (mask, keys, values) waits only for the fill count, none for another, and no branch
+        if EARLY:  # the first block, loaded above (nothing of it attended where the cache is empty)
+            if MASK == 2:
+                bias0 = tl.load(M + b * smb + s0 * sms, mask=in0, other=0.0).to(tl.float32)
+            else:
+                bias0 = tl.zeros([BLOCK], tl.float32)
+            if MASK == 1:
+                valid0 = in0 & (tl.load(M + b * smb + s0 * sms, mask=in0, other=0) != 0)
+            else:
+                valid0 = in0
+            qk = (tl.dot(q, tl.trans(kc0), input_precision=PRECISION) * scale).to(tl.float32) + bias0[None, :]
+            qk = tl.where(valid0[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing to attend yet
+            p = tl.exp(qk - m_use[:, None])
+            alpha = tl.exp(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            vc0 = tl.where(valid0[:, None], vc0, tl.zeros_like(vc0))  # a masked position's value never enters
+            acc = acc * alpha[:, None] + tl.dot(p.to(vc0.dtype), vc0, input_precision=PRECISION)
+            m_i = m_new
+        # the (other) positions filled before this step, block by block up to the fill count (a loop
+        # bound read at run time: the unfilled tail is neither read nor computed). Every load of a
+        # block (mask, keys, values) waits only for the fill count, none for another, and no branch
         # stands between blocks: the loads of a block are in flight together and the next block's
         # while this one is computed (the loop is software-pipelined)
-        for start in range(0, tl.minimum(pos, L), BLOCK):
+        for start in range(BLOCK if EARLY else 0, tl.minimum(pos, L), BLOCK):
             s = start + tl.arange(0, BLOCK)
             inside = s < pos
             if MASK == 1:
@@ -251,6 +285,9 @@ def _build():
             vc = tl.where(valid[:, None], vc, tl.zeros_like(vc))  # a masked position's value never enters
             acc = acc * alpha[:, None] + tl.dot(p.to(vc.dtype), vc, input_precision=PRECISION)
             m_i = m_new
+        if EARLY:
+            tl.store(KC + b * skb + head * skh + pos * sks + dd, k_new, mask=in_d)
+            tl.store(VC + b * svb + head * svh + pos * svs + dv, v_new.to(VC.dtype.element_ty), mask=in_dv)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(O + b * sob + (head * G + g)[:, None] * soh + dv[None, :], out.to(O.dtype.element_ty),
                  mask=rows[:, None] & in_dv[None, :])
@@ -271,6 +308,8 @@ def _build():
         return (t.stride(0) if t.dim() == 4 else 0, t.stride(-3), t.stride(-2))
 
     def rope_run(query, key, value, cos, sin, key_cache, value_cache, position, mask, mask_kind, scale, **launch):
+        launch = {"PDL": False, **launch}
+        launch.setdefault("EARLY", launch["PDL"])  # a dependent launch's order (see the kernel)
         b, h, d = query.shape[-3:]
         kv, length = key_cache.shape[1], key_cache.shape[2]
         dv = value_cache.shape[-1]
@@ -283,7 +322,7 @@ def _build():
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), mb, mask.stride(3),
             out.stride(0), out.stride(2), L=length, MASK=mask_kind, SPLIT=query.shape[0] if query.dim() == 4 else 1,
-            **meta(h, key_cache.dtype, kv, d, dv, {"PDL": False, **launch}))
+            **meta(h, key_cache.dtype, kv, d, dv, launch))
         return out
 
     @_triton.op("hf_zero3::gqa_decode_rope_attention", ("key_cache", "value_cache"), rope_out)
@@ -302,7 +341,7 @@ def _build():
             # launched here, not through inductor's call of a triton_op kernel (which takes no
             # launch attributes); a CUDA graph captures it as any kernel
             return rope_run(query, key, value, cos, sin, key_cache, value_cache, position, mask, mask_kind, scale,
-                            PDL=True, launch_pdl=True)
+                            PDL=True, launch_pdl=True, **_one_wave(query.shape[-3] * key_cache.shape[1], query.device))
 
         rope_dependent.register_fake(rope_out)
         _state["rope_dependent_op"] = rope_dependent
@@ -349,6 +388,18 @@ def gqa_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     length = key.shape[-2]
     query, key, value, mask, kind = _inputs(query, key, value, attention_mask, length)
     return op(query, key, value, mask, kind, float(scaling))
+
+
+def _one_wave(programs: int, device) -> dict:
+    """A dependent launch's warps: 2 where the 4-warp programs (253 registers a thread compiled for
+    sm_90: two an SM) would take a second wave, as at batch 64 with 8 key/value heads (512
+    programs). On one H200, 16 layers' rope attention at batch 64, dependent launches: 10.9 us a
+    layer at 2 warps, 15.7 at 4 (session 17's kernel: 11.8 / 12.3); at batch 8, 4 warps (5.8 us
+    against 7.8; benchmarks/RESULTS.md, session 18)."""
+    sms = _state.get(("sms", str(device)))
+    if sms is None:
+        sms = _state[("sms", str(device))] = torch.cuda.get_device_properties(device).multi_processor_count
+    return {"num_warps": 2} if programs > 2 * sms else {}
 
 
 def rope_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,

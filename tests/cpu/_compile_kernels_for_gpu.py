@@ -43,12 +43,12 @@ def main():
                           scale))
             cases.append((f"gqa_decode_rope_attention mask={mask} scale={scale}", jit["rope"],
                           dict(Q="*bf16", KN="*bf16", VN="*bf16", COS="*bf16", SIN="*bf16", KC="*bf16",
-                               VC="*bf16", P="*i64", M=m, O="*bf16"), {**attention, "MASK": mask, "PDL": False, "SPLIT": 1},
+                               VC="*bf16", P="*i64", M=m, O="*bf16"), {**attention, "MASK": mask, "PDL": False, "SPLIT": 1, "EARLY": False},
                           scale))
     # the decode loop's own 2-D padding mask (int64, nonzero attends), read in place
     cases.append(("gqa_decode_rope_attention padding mask scale=fp64", jit["rope"],
                   dict(Q="*bf16", KN="*bf16", VN="*bf16", COS="*bf16", SIN="*bf16", KC="*bf16", VC="*bf16",
-                       P="*i64", M="*i64", O="*bf16"), {**attention, "MASK": 1, "PDL": False, "SPLIT": 1}, "fp64"))
+                       P="*i64", M="*i64", O="*bf16"), {**attention, "MASK": 1, "PDL": False, "SPLIT": 1, "EARLY": False}, "fp64"))
     tiles = dict(K=2048, BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, EVEN=True)  # unmasked tiles (blocks divide)
     ragged = dict(tiles, EVEN=False)  # masked tiles: a shape the blocks do not divide
     cases += [("decode_linear", gemm.linear_kernel, dict(X="*bf16", W="*bf16", O="*bf16"), {**tiles, **plain}, None),
@@ -71,11 +71,11 @@ def main():
                {**tiles, "SPLIT": 4, **dependent}, None),
               ("gqa_decode_rope_attention dependent", jit["rope"],
                dict(Q="*bf16", KN="*bf16", VN="*bf16", COS="*bf16", SIN="*bf16", KC="*bf16", VC="*bf16",
-                    P="*i64", M="*i64", O="*bf16"), {**attention, "MASK": 1, "PDL": True, "SPLIT": 1}, "fp64"),
+                    P="*i64", M="*i64", O="*bf16"), {**attention, "MASK": 1, "PDL": True, "SPLIT": 1, "EARLY": True}, "fp64"),
               # the fused q/k/v GEMM's float32 partials summed in the kernel (HF_ZERO3_TRITON_QKV)
               ("gqa_decode_rope_attention dependent, q/k/v partials", jit["rope"],
                dict(Q="*fp32", KN="*fp32", VN="*fp32", COS="*bf16", SIN="*bf16", KC="*bf16", VC="*bf16",
-                    P="*i64", M="*i64", O="*bf16"), {**attention, "MASK": 1, "PDL": True, "SPLIT": 4}, "fp64")]
+                    P="*i64", M="*i64", O="*bf16"), {**attention, "MASK": 1, "PDL": True, "SPLIT": 4, "EARLY": True}, "fp64")]
     out = {}
     for name, fn, pointers, constants, scale in cases:
         try:

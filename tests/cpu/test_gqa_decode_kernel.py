@@ -200,6 +200,30 @@ def test_rope_kernel_equals_rotary_cache_write_and_attention(batch, heads, kv, d
     torch.testing.assert_close(out, ref_all, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("batch,heads,kv,dim,length,pos", [(3, 8, 2, 16, 70, 37), (2, 12, 4, 64, 200, 130),
+                                                           (2, 6, 3, 20, 40, 0), (2, 8, 2, 32, 90, 64)])
+def test_rope_kernel_in_a_dependent_launchs_order_gives_the_same_results(batch, heads, kv, dim, length, pos):
+    """A dependent launch's order (``EARLY``: the first cache block loaded before the wait, the new
+    token's cache write last) computes what the plain order does, bit for bit, under every mask
+    kind (the interpreter runs it without the wait itself)."""
+    from hf_zero3.kernels import gqa_decode
+
+    q, k, v, cos, sin, kc, vc, keep = _rope_case(batch * 11 + pos, batch, heads, kv, dim, length, pos, None)
+    padding = torch.ones(batch, length, dtype=torch.long)
+    for i in range(batch):
+        padding[i, : min(2 * i, pos)] = 0
+    additive = torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+    run = gqa_decode._state["rope_run"]
+    for mask, kind in ((keep, 1), (additive, 2), (padding[:, None, None, :], 1), (keep, 0)):
+        outs = []
+        for early in (False, True):
+            got_k, got_v = kc.clone(), vc.clone()
+            out = run(q, k, v, cos, sin, got_k, got_v, torch.tensor([pos]), mask, kind, dim ** -0.5, EARLY=early)
+            outs.append((out, got_k, got_v))
+        for plain, early in zip(*outs):
+            assert torch.equal(plain, early)
+
+
 @pytest.mark.parametrize("split", [2, 4])
 def test_rope_kernel_sums_float32_partials_of_its_projections(split):
     """Query, key and value given as a split-K GEMM's float32 partial sums (split, rows, heads, dim):

@@ -102,6 +102,10 @@ def test_dependent_gemms_compute_the_plain_launches_results(rows):
 
 
 def test_dependent_rope_attention_computes_the_plain_launchs_result():
+    """The dependent launch (its first cache block loaded before the wait, 2 warps at this batch:
+    ``gqa_decode._one_wave``) writes the cache exactly as the plain one and attends within bf16
+    rounding of it (another warp count sums in another order); a read of the query before the
+    kernel writing it finished would be off by the values' size."""
     from test_gqa_decode_kernel_gpu import _rope_case
 
     from hf_zero3.kernels import gqa_decode
@@ -127,8 +131,9 @@ def test_dependent_rope_attention_computes_the_plain_launchs_result():
         graph.replay()
         torch.testing.assert_close(out, eager, rtol=0, atol=0)
         outs[dependent] = (out.clone(), ck.clone(), cv.clone(), int(n))
-    assert torch.equal(outs[True][0], outs[False][0]) and torch.equal(outs[True][1], outs[False][1])
-    assert torch.equal(outs[True][2], outs[False][2]) and outs[True][3] == outs[False][3] == 101
+    torch.testing.assert_close(outs[True][0], outs[False][0], rtol=1.6e-2, atol=1e-2)
+    assert torch.equal(outs[True][1], outs[False][1]) and torch.equal(outs[True][2], outs[False][2])
+    assert outs[True][3] == outs[False][3] == 101
 
 
 def test_qkv_partials_into_the_rope_kernel_match_the_projections_gemm():
