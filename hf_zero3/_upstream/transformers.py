@@ -185,3 +185,25 @@ def replace_input_grad_hooks_on_enable():
 
     PreTrainedModel.enable_input_require_grads = enable_input_require_grads
     return lambda: setattr(PreTrainedModel, "enable_input_require_grads", original)
+
+
+def static_cache_counters_on(cache, device) -> int:
+    """Works around transformers' ``StaticLayer`` keeping its fill count (``cumulative_length``) on
+    the CPU until the layer's first update moves it (``.to(device)`` in ``lazy_initialization``;
+    transformers 5.17-5.23, no upstream issue found; #45997 changed only its shape). Inside a
+    compiled prompt forward each layer's move is a blocking host-to-device copy, so the host waits
+    for the kernels queued before it, layer after layer: on one H200 (1B Llama, batch 64) 16 such
+    copies of ~0.45 ms held the prompt forward at 23 ms of host time against ~15 ms on the GPU
+    (benchmarks/RESULTS.md, session 18). Each layer not initialized yet gets a counter of the same
+    value made on ``device`` (a fill, no copy, no host sync); its move is then a no-op. Returns how
+    many were replaced."""
+    import torch
+
+    moved = 0
+    for layer in getattr(cache, "layers", None) or ():
+        n = vars(layer).get("cumulative_length")
+        if (isinstance(n, torch.Tensor) and n.device.type == "cpu" and n.device != torch.device(device)
+                and not getattr(layer, "is_initialized", False)):
+            layer.cumulative_length = torch.full(n.shape, int(n), dtype=n.dtype, device=device)
+            moved += 1
+    return moved

@@ -453,3 +453,25 @@ def test_inductor_dependent_launch_option_is_a_real_inductor_option():
     assert inductor_config.triton.enable_pdl is False  # off by default upstream: ours is an opt-in
     with inductor_config.patch(options):
         assert inductor_config.triton.enable_pdl is True
+
+
+def test_static_cache_counters_are_made_on_the_device_before_the_prompt_forward():
+    """transformers' StaticLayer keeps its fill count on the CPU until its first update moves it (a
+    blocking copy per layer inside a compiled prompt forward); hf_zero3 makes each layer's on the
+    forward's device first (here the meta device stands in for a GPU), leaving initialized layers
+    and counters already there alone."""
+    from transformers.cache_utils import StaticCache
+
+    from hf_zero3.testing import models
+
+    config = models.tiny_llama_config(num_hidden_layers=3)
+    cache = StaticCache(config=config, max_cache_len=16)
+    before = [layer.cumulative_length for layer in cache.layers]
+    assert all(n.device.type == "cpu" for n in before), "transformers now makes the counters elsewhere: recheck"
+    cache.layers[2].is_initialized = True  # as after a first update: not touched
+    assert hf_up.static_cache_counters_on(cache, torch.device("cpu")) == 0
+    assert hf_up.static_cache_counters_on(cache, torch.device("meta")) == 2
+    for layer, n in zip(cache.layers[:2], before):
+        assert layer.cumulative_length.device.type == "meta" and layer.cumulative_length.shape == n.shape
+    assert cache.layers[2].cumulative_length is before[2]
+    assert hf_up.static_cache_counters_on(cache, torch.device("meta")) == 0  # already there
