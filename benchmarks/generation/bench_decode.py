@@ -28,7 +28,7 @@ extra time over the median is reported as compile seconds. (Five, not three, sin
 the first timed call of a static-loop row is often 1.5-2x the rest, and the median of three was
 then the slower of the other two.) A
 configuration named twice in ``BENCH_CONFIGS`` is measured twice (the second row's name gets
-``#2``): the drift of the host between the two. ``floor_tok_s``: batch / (bf16 weight bytes / HBM
+``#2``, a third ``#3``): the drift of the host between the two. ``floor_tok_s``: batch / (bf16 weight bytes / HBM
 bandwidth), the tokens/s a decode step that only streams the weights once would reach
 (BENCH_HBM_TBPS, default 4.3 TB/s); ``fraction_of_floor`` counts every row of every step
 (``step_tokens_per_s``), as the floor does, ``useful_fraction_of_floor`` each row up to its own
@@ -129,10 +129,10 @@ def rank_main():
         targets = torch.randint(MAX_NEW // 4, MAX_NEW + 1, (batch,), generator=g)
         targets[0] = MAX_NEW if rank == 0 else targets[0]
         useful = int(targets.sum())
-        seen = set()
+        seen: dict = {}
         for name in CONFIGS:
-            label = name if name not in seen else f"{name}#2"
-            seen.add(name)
+            seen[name] = seen.get(name, 0) + 1
+            label = name if seen[name] == 1 else f"{name}#{seen[name]}"
             times, outs, captures = [], [], []
             hf_zero3.release_decode_graphs(module)  # each configuration builds its own loop
             set_switches(OURS[name][2] if name in OURS else {}, SWITCHES)

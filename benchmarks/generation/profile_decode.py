@@ -13,6 +13,11 @@ functions of one whole warm call (cProfile, top cumulative).
 GPU's idle time inside it: the total, and the largest gaps with the host work that ran during each
 (labelled phases of hf_zero3's call and the top-level host ops), and the call's kernels; once per
 ``PROFILE_VARIANTS`` entry (switches and ``sync_every``, see ``_variants``), same process.
+``PROFILE_EVENTS=1`` instead runs three warm calls and then ``PROFILE_EVENT_CALLS`` (default 3)
+more with no profiler: each labelled phase records its host time and a CUDA event at entry and
+exit, so the table says, phase by phase, how far the GPU ran behind the host (``lag_ms``: the GPU
+reached the event that much after the host recorded it; ~0: the GPU had nothing queued, it waited
+for the host) without the tracer's own cost (it made a traced call ~25 % longer).
 ``PROFILE_HOST=1`` instead runs three warm calls and one under cProfile (top functions by own and
 by cumulative time): where the host time of a call goes, outside the replayed steps.
 Run: python benchmarks/generation/profile_decode.py   (GPU only; PROFILE_MODES=default,max-autotune,combo)
@@ -73,6 +78,20 @@ def rank_main():
                     emit(what="warmup", variant=variant, batch=batch, seconds=time.perf_counter() - t,
                          graphs_reused=module.hf_zero3_last_generate.graphs_reused)
                 emit(what="timeline", variant=variant, batch=batch, **_timeline(hf_zero3, engine, ids, every))
+        return rows
+
+    if os.environ.get("PROFILE_EVENTS") == "1":  # phases timed by host clock and CUDA events, no tracer
+        for batch in BATCHES:
+            g = torch.Generator().manual_seed(batch)
+            ids = torch.randint(3, cfg.vocab_size, (batch, PROMPT), generator=g).to(dev)
+            for variant, every, switches in _variants():
+                hf_zero3.release_decode_graphs(module)
+                set_switches(switches, {k for _, _, sw in _variants() for k in sw})
+                for _ in range(3):
+                    _call(hf_zero3, engine, ids, every)
+                torch.cuda.synchronize()
+                for _ in range(int(os.environ.get("PROFILE_EVENT_CALLS", 3))):
+                    emit(what="events", variant=variant, batch=batch, **_events(hf_zero3, engine, ids, every))
         return rows
 
     if os.environ.get("PROFILE_HOST") == "1":  # the host side of a warm call, nothing else
@@ -367,6 +386,71 @@ def _timeline(hf_zero3, engine, ids, sync_every: int = 8) -> dict:
                 gaps=len(gaps), kernels=kernels["kernels"], top_kernels=kernels["top"], idle_by_phase_ms={k: round(v / 1e3, 3) for k, v in by_label.most_common()},
                 largest=[dict(at_ms=round((s - t0) / 1e3, 3), us=round(e - s), labels=during(s, e, labels, 3),
                               host=during(s, e, tops, 4)) for s, e in big])
+
+
+# transformers' own steps of a generate() call before the decode loop, timed beside ours
+_EVENT_LABELS = _LABELS + tuple(("transformers.generation.utils", "GenerationMixin", name) for name in (
+    "_prepare_generation_config", "_prepare_special_tokens", "_prepare_cache_for_generation",
+    "_get_logits_processor", "_prepare_model_inputs"))
+
+
+def _events(hf_zero3, engine, ids, sync_every: int = 8) -> dict:
+    """One warm call, each labelled phase's entry and exit stamped with the host clock and a CUDA
+    event (none inside a graph capture): the phases in call order with their host times and how far
+    the GPU ran behind the host at each stamp."""
+    import functools
+    import importlib
+
+    import torch
+
+    stamps = []
+
+    def stamp(label):
+        ev = None
+        if not torch.cuda.is_current_stream_capturing():
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+        stamps.append((label, time.perf_counter(), ev))
+
+    undo = []
+    for mod_name, cls_name, attr in _EVENT_LABELS:
+        try:
+            owner = importlib.import_module(mod_name)
+            owner = getattr(owner, cls_name) if cls_name else owner
+            fn = getattr(owner, attr)
+        except (ImportError, AttributeError):
+            continue
+
+        def wrap(fn, label):
+            @functools.wraps(fn)
+            def inner(*a, **k):
+                stamp(f"> {label}")
+                try:
+                    return fn(*a, **k)
+                finally:
+                    stamp(f"< {label}")
+            return inner
+
+        setattr(owner, attr, wrap(fn, f"{cls_name + '.' if cls_name else ''}{attr}"))
+        undo.append((owner, attr, fn))
+    try:
+        torch.cuda.synchronize()
+        stamp("call")
+        _call(hf_zero3, engine, ids, sync_every)
+        stamp("returned")
+        torch.cuda.synchronize()
+        stamp("synced")
+    finally:
+        for owner, attr, fn in undo:
+            setattr(owner, attr, fn)
+    _, h0, e0 = stamps[0]
+    rows = []
+    for label, h, ev in stamps:
+        host = (h - h0) * 1e3
+        gpu = e0.elapsed_time(ev) if ev is not None else None
+        rows.append((label, round(host, 3), None if gpu is None else round(gpu, 3),
+                     None if gpu is None else round(gpu - host, 3)))
+    return dict(call_ms=rows[-1][1], columns=["stamp", "host_ms", "gpu_ms", "lag_ms"], stamps=rows)
 
 
 def _prefill_ops(hf_zero3, engine, ids) -> dict:

@@ -1,12 +1,19 @@
 """A GPU call's output tail for the decode benchmarks: ``python3 decode_rows.py`` prints
 bench_decode's rows as measured ($OUT/decode_partial.jsonl), one line each; ``--timeline`` prints
-profile_decode's traced calls ($OUT/timeline.log) with their top kernels."""
+profile_decode's traced calls ($OUT/timeline.log) with their top kernels; ``--events`` its untraced
+phase stamps ($OUT/events.log: phase@host ms/GPU lag ms, the decode steps' own stamps left out)."""
 import json
 import os
 import sys
 
 out = os.environ["OUT"]
-if "--timeline" in sys.argv:
+if "--events" in sys.argv:  # profile_decode's PROFILE_EVENTS rows ($OUT/events.log): phases outside the steps
+    for line in open(os.path.join(out, "events.log")):
+        if line.startswith("{") and '"events"' in line:
+            r = json.loads(line)
+            keep = [st for st in r["stamps"] if "_Runner.run" not in st[0] and "_Loop.finished" not in st[0]]
+            print(r["variant"], "call_ms", r["call_ms"], " ".join(f"{st[0].split('.')[-1]}@{st[1]}/{st[3]}" for st in keep))
+elif "--timeline" in sys.argv:
     for line in open(os.path.join(out, "timeline.log")):
         if line.startswith("{") and '"timeline"' in line:
             r = json.loads(line)
