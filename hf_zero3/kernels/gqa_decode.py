@@ -420,7 +420,9 @@ def rope_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
     head dim up to 256, :func:`supports`' masks or a padding mask). ``dependent``: launched as a
     programmatic dependent launch (where
     :func:`hf_zero3.kernels.decode_gemm.dependent_unavailable` says it can be: the decode loop's
-    ``HF_ZERO3_PDL``).
+    ``HF_ZERO3_PDL``). It then reads ``position`` and the cache positions before it ahead of its
+    wait for the kernel before it, so that kernel must write neither (the decode loop advances the
+    fill counts between steps; the query, key and value may come from it).
 
     ``query``, ``key`` and ``value`` may also be float32 partial sums of their projection, one more
     leading dimension (split, batch, heads, dim), as a split-K GEMM leaves them
