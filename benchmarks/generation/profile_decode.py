@@ -26,6 +26,7 @@ Run: python benchmarks/generation/profile_decode.py   (GPU only; PROFILE_MODES=d
 from __future__ import annotations
 
 import collections
+import contextlib
 import cProfile
 import io
 import json
@@ -301,41 +302,49 @@ def _call(hf_zero3, engine, ids, sync_every: int = 8) -> None:
                                    graph_steps=8)
 
 
+@contextlib.contextmanager
+def _labelled(labels, around):
+    """Within the block, each ``(module, class or None, function)`` of ``labels`` that exists is
+    replaced by ``around(fn, "Class.function")`` (the traced and the stamped profiles' phases)."""
+    import importlib
+
+    undo = []
+    try:
+        for mod_name, cls_name, attr in labels:
+            try:
+                owner = importlib.import_module(mod_name)
+                owner = getattr(owner, cls_name) if cls_name else owner
+                fn = getattr(owner, attr)
+            except (ImportError, AttributeError):
+                continue
+            setattr(owner, attr, around(fn, f"{cls_name + '.' if cls_name else ''}{attr}"))
+            undo.append((owner, attr, fn))
+        yield
+    finally:
+        for owner, attr, fn in undo:
+            setattr(owner, attr, fn)
+
+
 def _timeline(hf_zero3, engine, ids, sync_every: int = 8) -> dict:
     """One warm call traced (host and GPU): the GPU's idle time and what the host did meanwhile."""
     import functools
-    import importlib
 
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    undo = []
-    for mod_name, cls_name, attr in _LABELS:
-        try:
-            owner = importlib.import_module(mod_name)
-            owner = getattr(owner, cls_name) if cls_name else owner
-            fn = getattr(owner, attr)
-        except (ImportError, AttributeError):
-            continue
+    def around(fn, label):
+        @functools.wraps(fn)
+        def inner(*a, **k):
+            with record_function(f"hz3:{label}"):
+                return fn(*a, **k)
+        return inner
 
-        def wrap(fn, label):
-            @functools.wraps(fn)
-            def inner(*a, **k):
-                with record_function(label):
-                    return fn(*a, **k)
-            return inner
-
-        setattr(owner, attr, wrap(fn, f"hz3:{cls_name + '.' if cls_name else ''}{attr}"))
-        undo.append((owner, attr, fn))
-    try:
+    with _labelled(_LABELS, around):
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             with record_function("hz3:call"):
                 _call(hf_zero3, engine, ids, sync_every)
             torch.cuda.synchronize()
-    finally:
-        for owner, attr, fn in undo:
-            setattr(owner, attr, fn)
     events = list(prof.events())
     call = next(e for e in events if e.name == "hz3:call")
     t0, t1 = call.time_range.start, call.time_range.end
@@ -399,7 +408,6 @@ def _events(hf_zero3, engine, ids, sync_every: int = 8) -> dict:
     event (none inside a graph capture): the phases in call order with their host times and how far
     the GPU ran behind the host at each stamp."""
     import functools
-    import importlib
 
     import torch
 
@@ -412,37 +420,23 @@ def _events(hf_zero3, engine, ids, sync_every: int = 8) -> dict:
             ev.record()
         stamps.append((label, time.perf_counter(), ev))
 
-    undo = []
-    for mod_name, cls_name, attr in _EVENT_LABELS:
-        try:
-            owner = importlib.import_module(mod_name)
-            owner = getattr(owner, cls_name) if cls_name else owner
-            fn = getattr(owner, attr)
-        except (ImportError, AttributeError):
-            continue
+    def around(fn, label):
+        @functools.wraps(fn)
+        def inner(*a, **k):
+            stamp(f"> {label}")
+            try:
+                return fn(*a, **k)
+            finally:
+                stamp(f"< {label}")
+        return inner
 
-        def wrap(fn, label):
-            @functools.wraps(fn)
-            def inner(*a, **k):
-                stamp(f"> {label}")
-                try:
-                    return fn(*a, **k)
-                finally:
-                    stamp(f"< {label}")
-            return inner
-
-        setattr(owner, attr, wrap(fn, f"{cls_name + '.' if cls_name else ''}{attr}"))
-        undo.append((owner, attr, fn))
-    try:
+    with _labelled(_EVENT_LABELS, around):
         torch.cuda.synchronize()
         stamp("call")
         _call(hf_zero3, engine, ids, sync_every)
         stamp("returned")
         torch.cuda.synchronize()
         stamp("synced")
-    finally:
-        for owner, attr, fn in undo:
-            setattr(owner, attr, fn)
     _, h0, e0 = stamps[0]
     rows = []
     for label, h, ev in stamps:
