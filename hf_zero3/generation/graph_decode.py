@@ -315,7 +315,6 @@ def _prefill(model, input_ids, mask, positions, cache) -> tuple[torch.Tensor, st
     transformers runs it, without DeepSpeed's per-linear autograd Function under ``no_grad``, where
     it does not compile (the reason kept per model, one log line) or ``HF_ZERO3_COMPILE_PREFILL=0``.
     Compilation fails before any kernel runs, so the eager forward after a failure starts clean."""
-    hf_up.static_cache_counters_on(cache, input_ids.device)  # no host sync per layer inside the forward
     kwargs = dict(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                   use_cache=True, **_forward_kwargs(model))
     if prefill_enabled() and model not in _PREFILL_FAILED:

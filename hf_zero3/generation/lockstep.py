@@ -374,6 +374,8 @@ class Zero3GenerationMixin:
         prologue = contextlib.nullcontext()
         if (call is not None and call.phase == "decoding" and call.compile
                 and self._valid_auto_compile_criteria(model_kwargs, generation_config)):
+            # either loop's prompt forward would move each static layer's fill count with a host sync
+            hf_up.static_cache_counters_on(model_kwargs.get("past_key_values"), input_ids.device)
             why = graph_decode.unsupported(self, logits_processor, stopping_criteria, generation_config, streamer,
                                            model_kwargs, input_ids.shape[1] + int(call.budget))
             if why is None:
@@ -384,8 +386,6 @@ class Zero3GenerationMixin:
             # its compiled forward would trace DeepSpeed's forward prologue too (see
             # _upstream.deepspeed.engine_forward_hooks); the whole model is gathered, so it has nothing to do
             prologue = ds_up.engine_forward_hooks_suspended(self)
-            # its prompt forward would move each static layer's fill count with a host sync
-            hf_up.static_cache_counters_on(model_kwargs.get("past_key_values"), input_ids.device)
         with prologue:
             return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
                                    streamer, **model_kwargs)
