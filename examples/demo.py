@@ -39,7 +39,7 @@ def rank_job(tmpdir):
     # prompts whose greedy continuations hit EOS early (rank 0) or not at all (rank 1)
     sc = find_eos_scenario(unsharded_copy(model), steps=24, early_by=5)
     # (every rank must still call generate() the same number of times)
-    # call 1: rank 0 finishes early, rank 1 runs to the budget; call 2: both finish early
+    # first call: rank 0 finishes early, rank 1 runs to the budget; second call: both finish early
     both_early = sc.early[min(rank, len(sc.early) - 1)][0]
     prompts = [sc.early[0][0] if rank == 0 else sc.late[0], both_early]
     lengths, forwards = [], []

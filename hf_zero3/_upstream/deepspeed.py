@@ -166,9 +166,9 @@ def engine_forward_hooks_suspended(module: nn.Module):
 # ``torch.nn.functional.linear`` for the whole process with ``zero3_linear_wrap``, an autograd
 # Function (it re-gathers the weight in backward instead of saving it gathered), and leaves it so
 # ("This will persist unless manually reset"). Every ``nn.Linear`` call then pays
-# ``Function.apply`` and an ``inspect.signature`` binding, also under ``no_grad``: on one H200 the
-# eager prompt forward of a 1B Llama (113 linears, batch 64) spent ~30 % of its host time there,
-# and that forward is host-bound (20 ms of GPU time in 42 ms). Under ``no_grad`` the Function has
+# ``Function.apply`` and an ``inspect.signature`` binding, also under ``no_grad``: an eager prompt
+# forward, host-bound already, spends a large share of its host time there (measured in
+# benchmarks/RESULTS.md). Under ``no_grad`` the Function has
 # no backward to prepare: its own forward (``LinearFunctionForZeroStage3.forward``, the same
 # kernels) can be called directly.
 
@@ -396,7 +396,7 @@ def patch_deepcompile_profile_in_allocator_units():
     reserve, read once per profiled graph: the CUDA context, NCCL, and every other process on the
     card) to each node's reading. A plan made from it, then checked against memory read later,
     depends on what the other processes held at the profiling instant: a job sharing the card
-    with one whose usage changed was refused as not fitting (benchmarks/RESULTS.md, session 7).
+    with one whose usage changed was refused as not fitting (benchmarks/RESULTS.md).
     hf_zero3 plans in the caching allocator's own units (see :mod:`hf_zero3.compile.budget`), so
     the profile adds 0. Module global, read by name inside that module; returns the undo."""
     from deepspeed.compile.profilers import graph_profile

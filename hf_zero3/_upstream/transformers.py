@@ -17,7 +17,7 @@ CHECKED = "transformers 5.23.0"
 GENERATION_HOOKS = ("_prepare_generated_length", "_get_stopping_criteria", "_has_unfinished_sequences")
 #: The encoder forward of an encoder-decoder model (its first collective), by release:
 #: ``_maybe_prepare_encoder_kwargs_for_generation`` in 5.23, ``_prepare_encoder_decoder_kwargs_for_generation``
-#: up to 5.17 (the GPU hosts' release). One of them must exist.
+#: up to 5.17. One of them must exist.
 ENCODER_HOOKS = ("_maybe_prepare_encoder_kwargs_for_generation", "_prepare_encoder_decoder_kwargs_for_generation")
 
 
@@ -192,11 +192,10 @@ def static_cache_counters_on(cache, device) -> int:
     the CPU until the layer's first update moves it (``.to(device)`` in ``lazy_initialization``;
     transformers 5.17-5.23, no upstream issue found; #45997 changed only its shape). Inside a
     compiled prompt forward each layer's move is a blocking host-to-device copy, so the host waits
-    for the kernels queued before it, layer after layer: on one H200 (1B Llama, batch 64) 16 such
-    copies of ~0.45 ms held the prompt forward at 23 ms of host time against ~15 ms on the GPU
-    (benchmarks/RESULTS.md, session 18). Each layer not initialized yet gets a counter of the same
-    value made on ``device`` (a fill, no copy, no host sync); its move is then a no-op. Returns how
-    many were replaced."""
+    for the kernels queued before it, layer after layer, and the prompt forward's host time grows
+    past its GPU time (measured in benchmarks/RESULTS.md). Each layer not initialized yet gets a
+    counter of the same value made on ``device`` (a fill, no copy, no host sync); its move is then
+    a no-op. Returns how many were replaced."""
     import torch
 
     moved = 0

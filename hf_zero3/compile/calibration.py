@@ -87,9 +87,8 @@ def decide(peak_fwd_bwd: int, peak_step: int, projected: int, gate_budget: int,
     room = int(gate_budget) - int(max(peak_fwd_bwd, peak_step))
     if reserved_limit is not None:
         # New long-lived buffers can fragment the cache as much again as it already is: only reserved
-        # headroom beyond the measured fragmentation is room (measured on 1xH200 at a 29 GiB cap:
-        # 0.76 GiB persisted into 0.76 GiB of reserved headroom left the optimizer's 3.74 GiB
-        # temporary 0.06 GiB short at the next step).
+        # headroom beyond the measured fragmentation is room (persisting exactly the reserved
+        # headroom left the optimizer's next temporary short under a cap: it OOMed at the next step).
         room = min(room, int(reserved_limit) - int(peak_reserved) - fragmentation)
     chosen = plan_persistence(candidates, 0, room) if persist and room > 0 else ()
     size = {int(c[0]): int(c[1]) for c in candidates}

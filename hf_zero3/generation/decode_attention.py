@@ -2,8 +2,8 @@
 
 Under ``torch.compile`` transformers' SDPA and eager attention repeat a GQA model's key/value heads
 to the number of query heads (``repeat_kv``) before attending: with a static cache every decode
-step writes and then reads ``num_key_value_groups`` copies of the whole cache. On one H200 (Llama
-3.2-1B shape, batch 64, a 192-token static cache) that was 1.3 ms of a 2.7 ms compiled step.
+step writes and then reads ``num_key_value_groups`` copies of the whole cache, a large share of a
+compiled decode step's time (measured in benchmarks/RESULTS.md).
 This function is transformers' eager attention (matmul, float32 softmax, matmul) with the query
 heads grouped under their key/value head instead, so the cache is read once and nothing is
 copied. Its numerics are eager's (scores in the model's dtype, softmax in float32), also for
@@ -127,20 +127,20 @@ def use(model, name: str | None = NAME):
 # -- the rotary embedding and the cache write inside the kernel ------------------------------------
 # Where the Triton kernel attends, a decode step of a Llama attention module is otherwise four more
 # small kernels per layer under torch.compile (the query's rotary embedding with the mask, the
-# key's with its cache write, the value's cache write, the cache's fill-count add): on one H200 at
-# batch 64 ~88 us of GPU time and ~60 us of launch gaps of a ~1.4 ms step (16 layers). Here the
+# key's with its cache write, the value's cache write, the cache's fill-count add), each paying its
+# own launch gap for a few microseconds of work (measured in benchmarks/RESULTS.md). Here the
 # module's decode forward runs its q/k/v projections and then one kernel
 # (:func:`gqa_decode.rope_decode_attention`) that rotates the query and the new key, writes the key
 # and the value at the cache's fill count and attends; the loop advances every such layer's fill
 # count in one op after the step's forward (:func:`advance`), as ``StaticLayer.update`` would have
 # one by one. On by default; ``HF_ZERO3_FUSE_ROPE=0`` turns it off (read when a decode loop is
-# built; :func:`rope_enabled` says what it measured).
+# built; :func:`rope_enabled` says why it pays).
 
 # What the one kernel reads besides the layer's own tensors, the same for every layer of a step.
 # Under torch.compile inductor inlines a cheap pointwise producer into each consumer, and a
 # Triton kernel's input is a buffer: the causal mask transformers builds from the padding mask and
-# the rotary embedding's cos and sin rows were built again for every layer (three kernels a layer,
-# 1xH200 trace in benchmarks/RESULTS.md, session 14). So the kernel reads the loop's own 2-D
+# the rotary embedding's cos and sin rows were built again for every layer (three kernels a layer
+# in a profiler trace). So the kernel reads the loop's own 2-D
 # padding mask in place (a step's input: nothing to build; the kernel never reads past the new
 # token, so the causal part needs no mask), and cos/sin leave the rotary embedding through an
 # opaque op (their own buffers, once per step).
@@ -196,13 +196,13 @@ def _rope_module(m) -> bool:
 
 
 def rope_enabled() -> bool:
-    """On unless ``HF_ZERO3_FUSE_ROPE=0``. On 1×H200 at batch 64 (benchmarks/RESULTS.md, session
-    15) a decode step runs 64 kernels fewer with it (128 a step instead of 192) and a traced
-    rollout's GPU time drops 5 %; timed rollouts took 2.2-2.8 % (call 2) and 4.5-6.9 % (call 3) less
-    time than without it, rows of the same run. (Session 14 it did not pay: inductor still built
-    the kernel's mask, cos and sin inputs and the fused q/k/v projection's copies in front of it,
-    six kernels a layer; the step now reads the loop's padding mask, one cos/sin buffer and the
-    projection's parts in place.)"""
+    """On unless ``HF_ZERO3_FUSE_ROPE=0``. With it a decode step runs four kernels fewer per layer
+    (the rotary embedding, the cache writes and the fill-count add move into the attention
+    kernel), so a rollout spends less GPU time and fewer launch gaps (measured in
+    benchmarks/RESULTS.md). It pays only because the kernel's inputs are read in place: the loop's
+    padding mask, one cos/sin buffer a step and the fused q/k/v projection's parts; had inductor
+    built the mask, cos and sin and the projection's copies in front of it (six kernels a layer),
+    the saving would be lost."""
     return _switch.on("HF_ZERO3_FUSE_ROPE")
 
 

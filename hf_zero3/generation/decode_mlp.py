@@ -2,13 +2,13 @@
 kernel, and its down projection and the attention's output projection as split-K Triton GEMMs.
 
 Under ``torch.compile`` a Llama-style MLP at decode shapes is three cuBLAS GEMMs and inductor's
-SiLU-mul kernel; on one H200 (Llama-3.2-1B shape) the gate and up GEMMs read their weights at
-2.6-2.9 TB/s. Here the gate/up pair is one kernel that reads both weights' slices in one pass and
-writes the product (:mod:`hf_zero3.kernels.decode_gemm`, autotuned per shape on the GPU): 19.9 vs
-25.8 us at 64 rows, 18.3 vs 23.1 at 8 (``benchmarks/generation/decode_gemm_probe.py``). Down
-(2048 output columns over an 8192 reduction) and ``o_proj`` (2048 over 2048) give a kernel with one
-program per output slice too few programs; split four ways along the reduction they beat cuBLAS
-(down 12.0 vs 14.4 us at 64 rows, 11.0 vs 13.7 at 8; o_proj 5.5 vs 6.4 and 4.7 vs 6.2), and
+SiLU-mul kernel, and the gate and up GEMMs read their weights well below the GPU's memory
+bandwidth. Here the gate/up pair is one kernel that reads both weights' slices in one pass and
+writes the product (:mod:`hf_zero3.kernels.decode_gemm`, autotuned per shape on the GPU), faster
+than the two cuBLAS GEMMs (``benchmarks/generation/decode_gemm_probe.py``; measured in
+benchmarks/RESULTS.md). Down (e.g. 2048 output columns over an 8192 reduction) and ``o_proj``
+(2048 over 2048) give a kernel with one program per output slice too few programs; split four
+ways along the reduction they beat cuBLAS (same probe), and
 their float32 partials' sum (with the cast to the model's dtype) folds into the kernel that
 consumes them (the residual add and the next norm): no reduction kernel of its own, where
 cuBLAS's split-K down launches one.

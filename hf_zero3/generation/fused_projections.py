@@ -1,11 +1,11 @@
 """A decode step's query, key and value projections as one GEMM.
 
 At decode shapes (a few to 64 rows) a GEMM over a small weight is bound by its launch and ramp,
-not by reading the weight: on one H200 (bf16, Llama-3.2-1B shape, ``gemm_fusion_probe.py``) the
-three projections took 15.6 us separately (the 1 MB key and value weights at 0.4 TB/s) and 5.5 us
-as one [3072 x 2048] weight, at 8 and at 64 rows; the compiled step's profile showed the same
-three kernels at 17 us per layer. The gate/up pair is not fused: one [16384 x 2048] GEMM was
-slower than the two (1.12-1.37x).
+not by reading the weight: the small key and value weights are read far below the GPU's memory
+bandwidth, so the three projections as one GEMM over one concatenated weight take about the time
+of one of them (``benchmarks/generation/gemm_fusion_probe.py``; measured in
+benchmarks/RESULTS.md). The gate/up pair is not fused this way: one GEMM over both weights was
+slower than the two (:mod:`.decode_mlp` fuses it in a Triton kernel instead).
 
 hf_zero3's static loop (:mod:`.graph_decode`) uses it for its decode steps only: per call it
 copies each attention module's three weights (and biases) into one buffer (the values change

@@ -25,8 +25,8 @@ with: the parameters' and buffers' storage, every tensor of the static cache, th
 q/k/v weight copy (:mod:`.fused_projections`), and the model's plain state (``training`` flags,
 PEFT adapter switches, hook counts, config fields: what the compiled forward's guards would
 check). Gathered parameters land at the same addresses from one region to the next when the
-allocation sequence repeats (measured on one H200: back to back, after a layer-wise forward, after
-a training step); when anything moved, the call captures anew. Kept graphs hold their memory pool
+allocation sequence repeats (back to back, after a layer-wise forward, after a training step);
+when anything moved, the call captures anew. Kept graphs hold their memory pool
 (one decode step's temporaries) until :func:`release` (``hf_zero3.release_decode_graphs``).
 Grouped-query models decode with :mod:`.decode_attention` (the KV cache read once per step, not
 once per query head; on CUDA one Triton kernel per layer where it pays, with a Llama layer's
@@ -193,9 +193,9 @@ def dependent_launches(device) -> bool:
     default, ``=0`` off): each may start while the kernel before it finishes and waits for it only
     where it reads its output (the Triton GEMMs and the rope attention:
     :mod:`hf_zero3.kernels.decode_gemm`; inductor's kernels: its ``triton.enable_pdl``). A decode
-    step is ~130 short kernels a layer-sum, each with a ramp of its own: on 1xH200 a batch-64
-    rollout 5.7-6.0 % faster in the same run, batch 8 within noise (benchmarks/RESULTS.md, session
-    16). Where the GPU or Triton cannot
+    step is over a hundred short kernels, each with a ramp of its own: dependent launches let the
+    next kernel start its prologue before this one ends, which pays most at large batches (measured
+    in benchmarks/RESULTS.md). Where the GPU or Triton cannot
     (:func:`~hf_zero3.kernels.decode_gemm.dependent_unavailable`: before Hopper, on CPU) the steps
     launch as usual; asked for explicitly (``HF_ZERO3_PDL=1``), one log line says why. Read when a
     decode loop is built."""
@@ -214,10 +214,10 @@ _PDL_REFUSED: set = set()  # reasons already logged
 
 
 def ahead_enabled() -> bool:
-    """Stop agreements run ahead (``HF_ZERO3_RUN_AHEAD=1``, opt-in: on 1×H200 no reliable gain,
-    benchmarks/RESULTS.md session 14): at each agreement the next decode step is queued first and
-    the agreement reads the flag of the steps before it, so the host's agreement (~0.25-0.3 ms
-    over gloo) and the next graph's launch overlap a step on the GPU instead of idling it; at the
+    """Stop agreements run ahead (``HF_ZERO3_RUN_AHEAD=1``, opt-in: no reliable gain so far,
+    measured in benchmarks/RESULTS.md): at each agreement the next decode step is queued first and
+    the agreement reads the flag of the steps before it, so the host's agreement (a gloo round
+    trip) and the next graph's launch overlap a step on the GPU instead of idling it; at the
     agreed stop the one step queued ahead is dropped (GPU work only: the agreements, the counted
     forwards and the output are those of the loop without it). Meant for ``sync_every=1``
     (lockstep's default: an agreement before every step)."""
@@ -252,11 +252,11 @@ def _compiled_once(fn, **options):
 
 
 def prefill_options() -> dict:
-    """Inductor options of the compiled prompt forward. ``HF_ZERO3_PREFILL_CPP_WRAPPER=1`` (opt-in,
-    not yet measured on a GPU) generates its wrapper in C++ (inductor's ``cpp_wrapper``): on 1×H200
-    the batch-64 prompt forward's host side (~24 ms, 191 Triton launches from Python) is longer
-    than its GPU time (~15 ms), so the GPU waits for it and the loop lookup after it cannot hide
-    behind it (benchmarks/RESULTS.md, session 15). Its first compile takes longer (a C++ build)."""
+    """Inductor options of the compiled prompt forward. ``HF_ZERO3_PREFILL_CPP_WRAPPER=1`` (opt-in)
+    generates its wrapper in C++ (inductor's ``cpp_wrapper``): at large batches the prompt
+    forward's host side (hundreds of Triton launches from Python) can take longer than its GPU
+    time, so the GPU waits for it and the loop lookup after it cannot hide behind it (measured in
+    benchmarks/RESULTS.md). Its first compile takes longer (a C++ build)."""
     return {"cpp_wrapper": True} if _switch.on("HF_ZERO3_PREFILL_CPP_WRAPPER", default=False) else {}
 
 
@@ -279,7 +279,7 @@ def _argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """``torch.argmax(logits, -1)`` (the first index of the maximum) in two stages: the maximum of
     each of ``split`` equal chunks of the vocabulary, then the first chunk holding the row's
     maximum. Inductor does not split an argmax reduction, and one program per row over a 128k
-    vocabulary (batch 64) took 27.5 us on one H200; chunks give it a program per (row, chunk)."""
+    vocabulary leaves most of the GPU idle; chunks give it a program per (row, chunk)."""
     b, v = logits.shape
     split = next((s for s in (32, 16, 8, 4, 2) if v % s == 0 and v // s >= 2048), 1)
     if split == 1:
@@ -294,7 +294,7 @@ def _greedy_tail(logits, *buffers) -> None:
     """A greedy step after the forward: the argmax of the model's logits (that of their float32
     copy, ties to the first index) and :func:`_record_token`. Compiled: one reduction and one
     pointwise kernel instead of about ten launches per step (an eager bf16 argmax over the
-    vocabulary alone took 33 us of a batch-64 step on one H200)."""
+    vocabulary alone is a sizeable part of a decode step)."""
     _record_token(_argmax_rows(logits), *buffers)
 
 

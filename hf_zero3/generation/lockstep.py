@@ -207,8 +207,9 @@ class _Call:
 
     # -- the loop condition ---------------------------------------------------------------------
     def keep_going(self, this_peer_finished: bool) -> bool:
-        # Call k comes before loop iteration k; iteration k runs forward k + 1 (the prefill is
-        # forward 1, before call 0). So stopping at call K means K forwards in all.
+        # The k-th call (counting from 0) comes before loop iteration k; iteration k runs forward
+        # k + 1 (the prefill is forward 1, before the first call). So stopping at the K-th call
+        # means K forwards in all.
         k = self.calls
         self.calls += 1
         if self.rt.join is not None:

@@ -2,15 +2,14 @@
 
 The PyTorch form in :mod:`hf_zero3.generation.decode_attention` is three kernels per layer under
 ``torch.compile`` (the score GEMM, the masked softmax, the value GEMM) and reads every cache
-position, also those a static cache has not filled yet. On one H200 (Llama-3.2-1B shape, batch
-64, a 192-token cache) those three took ~15 us per layer of a ~1.9 ms step. This kernel is one
+position, also those a static cache has not filled yet. This kernel is one
 launch per layer: a program per (row, key/value head) holds that head's group of query heads,
 walks the cache in blocks with an online softmax (scores and softmax in float32, as flash
 attention computes them), and skips the blocks its boolean mask has no position in (the unfilled
 tail of a static cache, left padding). Its programs do not split the cache, so it is used only
-where there are at least as many (row, key/value head) programs as the GPU has SMs: measured on
-one H200 in the same run, a batch-64 rollout 6 % faster than with the PyTorch form, a batch-8 one
-(64 programs) 10 % slower (``benchmarks/generation/bench_decode.py``): :func:`pays`.
+where there are at least as many (row, key/value head) programs as the GPU has SMs: with fewer
+the GPU is underused and the PyTorch form is faster (``benchmarks/generation/bench_decode.py``;
+measured in benchmarks/RESULTS.md): :func:`pays`.
 
 :func:`rope_decode_attention` is the same attention with the layer's rotary embedding and its cache
 write inside (the query and the new key rotated in registers, the key and value stored at the
@@ -182,8 +181,7 @@ def _build():
         # this layer's earlier steps, the count is advanced between steps), so they load while the
         # kernel before (the q/k/v projection) still runs; the new token's cache write then comes
         # last (a store before would order every cache load after it). Otherwise the order a plain
-        # launch measured faster with on one H200: write, then the loop from the first block
-        # (benchmarks/RESULTS.md, session 18)
+        # launch runs faster with: write, then the loop from the first block (benchmarks/RESULTS.md)
         pos = tl.load(P)  # the cache's fill count before this step: the new token's cache position
         if EARLY:
             s0 = tl.arange(0, BLOCK)
@@ -391,11 +389,10 @@ def gqa_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
 
 
 def _one_wave(programs: int, device) -> dict:
-    """A dependent launch's warps: 2 where the 4-warp programs (253 registers a thread compiled for
-    sm_90: two an SM) would take a second wave, as at batch 64 with 8 key/value heads (512
-    programs). On one H200, 16 layers' rope attention at batch 64, dependent launches: 10.9 us a
-    layer at 2 warps, 15.7 at 4 (session 17's kernel: 11.8 / 12.3); at batch 8, 4 warps (5.8 us
-    against 7.8; benchmarks/RESULTS.md, session 18)."""
+    """A dependent launch's warps: 2 where the 4-warp programs (register-heavy: only two fit an SM)
+    would take a second wave, as at batch 64 with 8 key/value heads (512 programs); otherwise 4.
+    One wave keeps every program resident when the kernel before it finishes, which is what a
+    dependent launch gains from; the choice is measured in benchmarks/RESULTS.md."""
     sms = _state.get(("sms", str(device)))
     if sms is None:
         sms = _state[("sms", str(device))] = torch.cuda.get_device_properties(device).multi_processor_count

@@ -194,7 +194,7 @@ def test_dependent_launch_prefetch_columns(monkeypatch):
     from hf_zero3.kernels import decode_gemm
 
     monkeypatch.delenv("HF_ZERO3_PDL_PREFETCH", raising=False)
-    assert decode_gemm.prefetch_columns() == 0  # off by default (slower on 1xH200, session 16)
+    assert decode_gemm.prefetch_columns() == 0  # off by default (it measured slower)
     assert decode_gemm._dependent(2048) == dict(PDL=True, PREFETCH=0, launch_pdl=True)
     monkeypatch.setenv("HF_ZERO3_PDL_PREFETCH", "256")
     assert decode_gemm._dependent(2048) == dict(PDL=True, PREFETCH=256, launch_pdl=True)

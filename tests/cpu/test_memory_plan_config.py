@@ -213,7 +213,7 @@ def test_step0_plan_reserves_adams_states_until_they_exist():
 
 
 def test_budget_fits_the_capped_1b_run_that_failed_on_units():
-    """Regression from the 2xH200 run (benchmarks/RESULTS.md, run A): 16 GiB cap, 2.52 GiB
+    """A capped 1B job on two GPUs that plain ZeRO-3 trains: 16 GiB cap, 2.52 GiB
     non-PyTorch, 1.06 GiB fragmentation, 4.60 GiB of Adam states still to come, and a backward
     graph whose profile (then allocated + non-PyTorch) peaked at 11.65 GiB. Budgeting the
     allocator against that profile refused a job plain ZeRO-3 trains; with the profile in the

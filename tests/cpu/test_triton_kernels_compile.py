@@ -58,7 +58,7 @@ def test_kernel_sources_survive_inductors_embedding():
     functions it calls, embedded in a triple-quoted string literal of the generated module, which
     must then import. An escape anywhere in that source (a backslash-n in an inline-asm string, even
     in a comment) becomes the character itself: on the GPU the generated module did not import and
-    the decode step fell back to transformers' loop (session 16). The embedding is done here as
+    the decode step would fall back to transformers' loop. The embedding is done here as
     inductor's generated code does it, for every kernel, with the real compiler's kernel objects
     (the interpreter's have no source)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -88,9 +88,10 @@ def accelerate_plugin(steps: int = 3):
 
 # --- issue #13's user configuration -------------------------------------------------------------
 
-#: Per-process cap by world size: 2 ranks is the issue's 16 GiB (plain ZeRO-3 peaks at 13.24 GiB
-#: allocated / 15.45 reserved there). One rank holds the whole partition: plain ZeRO-3 peaks at
-#: 25.0 / 28.5 GiB uncapped and OOMs at 28 GiB in its optimizer step (benchmarks/RESULTS.md, #13).
+#: Per-process cap by world size: 2 ranks is the issue's 16 GiB, just above plain ZeRO-3's reserved
+#: peak there. One rank holds the whole partition, so its cap sits just above plain ZeRO-3's
+#: uncapped reserved peak, which OOMs in its optimizer step below it (measured in
+#: benchmarks/RESULTS.md, #13).
 USER_CAP_GIB = {1: 30.0, 2: 16.0}
 
 

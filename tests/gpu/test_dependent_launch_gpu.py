@@ -87,7 +87,7 @@ def test_dependent_gemms_compute_the_plain_launches_results(rows):
             graph.replay()
             outs[name] = out.clone()
         # inductor's norms round otherwise than eager's, and over 32 GEMMs the roundings add up to
-        # a few bf16 steps of the largest value (call 4: 0.28-0.42 where values reach ~20); a
+        # a few bf16 steps of the largest value (a few tenths where values reach ~20); a
         # kernel reading its input before the kernel writing it finished would be off by the
         # input's size
         scale = eager.abs().max().item()

@@ -146,8 +146,8 @@ def test_rope_inputs_are_built_once_a_step_not_once_a_layer():
     """Several layers' rope kernels in one compiled step, reading the loop's 2-D padding mask and
     cos/sin computed from the positions in the step (as the static loop's step does): with the
     rotary rows through ``hf_zero3::decode_rotary_rows`` the kernels inductor generates to compute
-    cos/sin do not grow with the layer count, and are no more than without the op (session 14's
-    1xH200 trace: without it, three input-building kernels a layer). Same output as eager."""
+    cos/sin do not grow with the layer count, and are no more than without the op (without it a
+    profiler trace shows three input-building kernels a layer). Same output as eager."""
     import re
 
     from torch._inductor.utils import run_and_get_code

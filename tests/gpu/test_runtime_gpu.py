@@ -22,10 +22,9 @@ def test_two_deepcompile_engines_keep_their_own_plan():
         assert max(r["diffs"]) < 0.1, r["diffs"]
 
 
-# Failed in session 5 (TRL's fused LM head outside DeepCompile's graphs; hf_zero3.trl.fused_head is the fix)
-# and in session 7: TRL's gather for generation inside evaluate met Zero3Safe's eval region (fixed, passed the
-# next run), then a recompile every step (sequence length; transformers' input-grad hook leak): both fixed;
-# passed on 1xH200 in session 8 (benchmarks/RESULTS.md).
+# Guards against the failures this path has had: TRL's fused LM head outside DeepCompile's graphs
+# (hf_zero3.trl.fused_head is the fix), TRL's gather for generation inside evaluate meeting Zero3Safe's
+# eval region, and a recompile every step (sequence length; transformers' input-grad hook leak).
 @pytest.mark.timeout(600)
 def test_trl_grpo_under_deepcompile_trains_generates_and_evaluates(tmp_path):
     from _runtime_workers import grpo_deepcompile
