@@ -1,21 +1,50 @@
-"""Shared benchmark plumbing: launch on every GPU (up to 2) or CPU, print a ratio table, save raw
-numbers as JSON next to the caller (and under $OUT when set)."""
+"""Shared benchmark plumbing: the model every benchmark builds, the rank launch (every GPU up to
+2, else CPU), the ratio table each benchmark prints, and the raw-row writer.
+
+Raw rows: every benchmark appends one JSON line per measured row to its results file
+(``benchmarks/<dir>/<name>.jsonl``, or ``$BENCH_RESULTS/<name>.jsonl`` when ``BENCH_RESULTS``
+names a directory). Each line is one object::
+
+    {"benchmark": "decode", "run": "<id shared by the rows of one invocation>",
+     "date": "<UTC ISO-8601>", "command": "<env switches> python benchmarks/... <args>",
+     "commit": "<git HEAD>", "dirty": <hf_zero3/ had uncommitted changes>,
+     "environment": {"gpus": [...], "torch": ..., "cuda": ..., "triton": ..., "deepspeed": ...,
+                     "transformers": ..., "accelerate": ..., "trl": ..., "python": ...},
+     "setup": {<the benchmark's fixed parameters>}, "result": {<the row>}}
+
+``benchmarks/plot.py`` and RESULTS.md read these files; nothing else is written into the tree
+(partial rows and profiles go to :func:`scratch_dir`, ignored by git).
+"""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import platform
+import shlex
+import subprocess
 import sys
+import uuid
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH_DIR = os.path.join(ROOT, "benchmarks")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
 
+# the environment as the benchmark was started (before any rank sets a switch): its command line
+_START_ENV = dict(os.environ)
+_ARGV = list(sys.argv)
+# variables that change what a benchmark measures; they are written into each row's command
+_COMMAND_PREFIXES = ("BENCH_", "HF_ZERO3_", "PROBE_", "PROFILE_", "ATTENTION_PROBE_", "CUDA_VISIBLE_DEVICES",
+                     "NCCL_", "TORCH_CUDA_ARCH_LIST", "PYTORCH_CUDA_ALLOC_CONF")
+_NOT_COMMAND = ("BENCH_RESULTS",)  # where rows go, not what they measure
+_RUN = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
+
 
 def llama_1b_config(num_hidden_layers: int = 16):
-    """The issues' model, built in code with random weights: Llama-3.2-1B's shape (hidden 2048,
-    intermediate 8192, 32 heads / 8 KV, vocab 128256, tied embeddings), SDPA attention."""
+    """Llama-3.2-1B's shape built in code with random weights (hidden 2048, intermediate 8192, 32
+    heads / 8 KV, vocab 128256, tied embeddings), SDPA attention."""
     from transformers import LlamaConfig
 
     return LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
@@ -32,19 +61,75 @@ def world_and_backend(max_gpus: int = 2):
 
 
 def environment() -> dict:
+    """Hardware and library versions of this process (call it after the ranks ran: it
+    initializes CUDA here)."""
     import importlib.metadata as md
 
     import torch
 
-    env = {"python": platform.python_version(), "torch": torch.__version__,
-           "cuda": torch.version.cuda, "gpus": [torch.cuda.get_device_name(i)
-                                                for i in range(torch.cuda.device_count())]}
-    for pkg in ("deepspeed", "transformers", "accelerate"):
+    n = torch.cuda.device_count()
+    env = {"gpus": [torch.cuda.get_device_name(i) for i in range(n)], "python": platform.python_version(),
+           "torch": torch.__version__, "cuda": torch.version.cuda, "platform": platform.platform(terse=True)}
+    for pkg in ("triton", "deepspeed", "transformers", "accelerate", "trl"):
         try:
             env[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             env[pkg] = None
     return env
+
+
+def command() -> str:
+    """The command line that started this benchmark, with the environment switches it ran under."""
+    env = [f"{k}={shlex.quote(v)}" for k, v in sorted(_START_ENV.items())
+           if k.startswith(_COMMAND_PREFIXES) and k not in _NOT_COMMAND]
+    script = os.path.relpath(os.path.abspath(_ARGV[0]), ROOT) if _ARGV and _ARGV[0] else "?"
+    return " ".join(env + ["python", script] + [shlex.quote(a) for a in _ARGV[1:]])
+
+
+def _git(*args) -> str | None:
+    try:
+        return subprocess.run(["git", "-C", ROOT, *args], capture_output=True, text=True, timeout=20,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def results_path(name: str, here: str) -> str:
+    """Where ``name``'s rows go: ``$BENCH_RESULTS/<name>.jsonl`` when set, else beside the script."""
+    out = os.environ.get("BENCH_RESULTS")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        return os.path.join(out, f"{name}.jsonl")
+    return os.path.join(here, f"{name}.jsonl")
+
+
+def scratch_dir() -> str:
+    """Partial rows and diagnostic dumps: ``$BENCH_RESULTS`` when set, else ``benchmarks/out``
+    (ignored by git)."""
+    path = os.environ.get("BENCH_RESULTS") or os.path.join(BENCH_DIR, "out")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def record(name: str, rows: list[dict], here: str, setup: dict | None = None) -> str:
+    """Append ``rows`` to ``name``'s results file, each with this run's command, environment and
+    date; returns the file's path."""
+    meta = {"benchmark": name, "run": _RUN,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": command(), "commit": _git("rev-parse", "--short", "HEAD"),
+            "dirty": bool(_git("status", "--porcelain", "--untracked-files=no", "--", "hf_zero3")),
+            "environment": environment(), "setup": setup or {}}
+    path = results_path(name, here)
+    with open(path, "a") as f:
+        for row in rows:
+            f.write(json.dumps({**meta, "result": row}, default=str) + "\n")
+    return path
+
+
+def load(path: str) -> list[dict]:
+    """A results file's rows (the JSON objects :func:`record` wrote), in file order."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def set_switches(switches: dict, known) -> None:
@@ -53,18 +138,6 @@ def set_switches(switches: dict, known) -> None:
     for name in known:
         os.environ.pop(name, None)
     os.environ.update(switches)
-
-
-def save(name: str, payload: dict, here: str) -> str:
-    payload = {"environment": environment(), **payload}
-    path = os.path.join(here, f"{name}.json")
-    with open(path, "w") as f:
-        json.dump(payload, f, indent=1, default=str)
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, f"{name}.json"), "w") as f:
-            json.dump(payload, f, indent=1, default=str)
-    return path
 
 
 def graph_us(calls: list, replays: int) -> tuple[float, list]:
@@ -93,7 +166,8 @@ def graph_us(calls: list, replays: int) -> tuple[float, list]:
 
 
 def table(rows: list[dict], cols: list[str]) -> str:
-    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols]
+    """A Markdown table of ``cols`` over ``rows`` (floats to 3 decimals, or 1 from 100)."""
+    widths = [max([len(c)] + [len(_fmt(r.get(c))) for r in rows]) for c in cols]
     line = lambda vals: "| " + " | ".join(v.ljust(w) for v, w in zip(vals, widths)) + " |"
     out = [line(cols), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
     out += [line([_fmt(r.get(c)) for c in cols]) for r in rows]

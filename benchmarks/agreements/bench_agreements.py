@@ -2,15 +2,16 @@
 share of a lockstep generate() call and of a training step.
 
 Part 1, 2 gloo ranks on this host's loopback (where hf_zero3's agreements run, on a gloo mirror
-of the gather group), median microseconds over many calls:
-  raw      dist.all_reduce of the payload alone (the pre-#11 untagged agreement)
+of the gather group), median microseconds over ``BENCH_AGREE_CALLS`` calls (default 2000):
+  raw      dist.all_reduce of the payload alone (an untagged agreement)
   tagged   hf_zero3.agree.agree: header digest + failure flag + payload in one fixed-size all-reduce
   recorded tagged, plus the c10d-store write of a call-level agreement
 Part 2, one rank (the GPU when present, else a tiny model on CPU): a lockstep generate() call
-(1B shape, bf16, batch 8, 64-token prompts, 128 new tokens, whole model gathered) and an eager
-ZeRO-3 training step (bs 1 x 512), each timed; the call's own agreements are counted from its
-report, the step's are Zero3Safe's one per step plus the memory plan's gate (two per step).
-share = agreements x (tagged - raw) / time, and x tagged / time for the whole cost.
+(Llama-3.2-1B shape, bf16, batch 8, 64-token prompts, 128 new tokens, whole model gathered,
+``sync_every=1``) and an eager ZeRO-3 training step (bs 1 x 512), each timed; the call's own
+agreements are counted from its report, the step's are Zero3Safe's one per step plus the memory
+plan's gate (two per step). share = agreements x (tagged - raw) / time (``tag_share_pct``), and
+agreements x tagged / time for the whole cost (``agree_share_pct``).
 Run: python benchmarks/agreements/bench_agreements.py
 """
 
@@ -23,7 +24,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from common import llama_1b_config, save, table  # noqa: E402
+from common import llama_1b_config, record, table  # noqa: E402
 
 CALLS = int(os.environ.get("BENCH_AGREE_CALLS", 2000))
 STEP_AGREEMENTS = 3  # Zero3Safe.on_step_begin + the gate's agree_launch for the forward and backward graph
@@ -127,7 +128,13 @@ def main():
     ]
     print(table(rows, ["what", "raw_us", "tagged_us", "recorded_us"]))
     print(table(shares, ["call", "seconds", "agreements", "tag_share_pct", "agree_share_pct"]))
-    print("saved", save("agreements", {"latency_us": lat, "times": times, "rows": rows, "shares": shares}, HERE))
+    for r in rows:
+        r["part"] = "latency"
+    for r in shares:
+        r["part"] = "share"
+    path = record("agreements", rows + shares, HERE, {"latency_ranks": 2, "latency_backend": "gloo",
+                                                      "calls": CALLS, "device": times["device"]})
+    print(f"raw rows appended to {path}")
 
 
 def _cuda() -> bool:

@@ -1,6 +1,11 @@
-"""Eval under DeepCompile ZeRO-3: time of an eval pass with hf_zero3's gather-all and layer-wise
-paths, against plain ZeRO-3 eager eval (the baseline; DeepCompile's own eval crashes, see
-tests/gpu). Model: the issue's 4-layer Llama (hidden 1024, GQA 16/8, vocab 32000), bf16.
+"""Eval under DeepCompile ZeRO-3: the time of an eval pass through hf_zero3's gather-all and
+layer-wise paths, against plain ZeRO-3 eager eval through DeepSpeed's hooks (the baseline:
+DeepCompile's own eval path fails, see tests/gpu).
+
+Model: a 4-layer Llama (hidden 1024, intermediate 2816, GQA 16/8, vocab 32000, SDPA), bf16,
+ZeRO-3 with DeepSpeed's default settings on every GPU (up to 2); 6 training steps first, then 16
+eval batches of 2 x 128 tokens under ``no_grad``, the second of two repetitions timed. Peak: the
+process's ``max_memory_allocated`` after the engine's rows.
 Run: python benchmarks/eval/bench_eval.py  (GPU only)
 """
 
@@ -12,7 +17,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from common import save, table, world_and_backend  # noqa: E402
+from common import record, table, world_and_backend  # noqa: E402
 
 BATCHES = 16
 
@@ -66,9 +71,9 @@ def main():
     base = rows[0]["seconds"]
     for r in rows:
         r["vs_plain_zero3"] = base / r["seconds"]
-    path = save("eval", {"setup": {"world": world, "batches": BATCHES}, "rows": rows}, HERE)
+    path = record("eval", rows, HERE, {"world": world, "batches": BATCHES, "tokens_per_batch": "2x128"})
     print(table(rows, ["engine", "path", "batches", "seconds", "vs_plain_zero3", "peak_gib"]))
-    print(f"raw numbers: {path}")
+    print(f"raw rows appended to {path}")
 
 
 if __name__ == "__main__":

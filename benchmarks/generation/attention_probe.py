@@ -1,4 +1,4 @@
-"""The decode step's attention per layer (issue #14): the rotary embedding, the static cache's
+"""The decode step's attention per layer: the rotary embedding, the static cache's
 k/v write and the grouped-query attention as a compiled decode step runs them without the fusion
 (inductor's rotary/index_copy kernels + ``hf_zero3.kernels.gqa_decode``'s attention kernel + the
 fill-count add), against ``gqa_decode.rope_decode_attention`` (all of it in one kernel) over a few
@@ -13,7 +13,8 @@ Rows with left padding (row i's first ``i % 32`` positions masked, as a batch of
 divergent lengths) next to rows without. ``ATTENTION_PROBE_BASELINE=<path to another version of
 hf_zero3/kernels/gqa_decode.py>`` adds that version's fused kernel at the same settings (its ops
 registered under another namespace), so a change to the kernel is measured against the old one in
-the same run.
+the same run. A maintainer's tool for the kernel's launch settings; rows go to
+attention_probe.jsonl (``us``: microseconds per layer, ``speedup``: against the unfused row).
 Run: python benchmarks/generation/attention_probe.py   (GPU only)
 """
 
@@ -25,7 +26,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from common import graph_us, save, table  # noqa: E402
+from common import graph_us, record, table  # noqa: E402
 
 LAYERS, REPLAYS, HEADS, KV, DIM, LENGTH, POS = 16, 20, 32, 8, 64, 192, 128
 SETTINGS = [dict(BLOCK=b, num_warps=w, num_stages=s) for b, w, s in [
@@ -129,8 +130,6 @@ def main():
                 print(json.dumps(rows[-1]), flush=True)
         caches.clear()
         torch.cuda.empty_cache()
-    path = save("attention_probe", {"rows": rows, "torch": torch.__version__, "device": torch.cuda.get_device_name()},
-                HERE)
     for r in rows:
         base = next(b for b in rows if (b["batch"], b["padded"]) == (r["batch"], r["padded"]) and b["cfg"] == "")
         r["speedup"] = base["us"] / r["us"] if r["us"] else None
@@ -138,7 +137,9 @@ def main():
                     and b["impl"].startswith("baseline") and b["us"]), None)
         r["vs_baseline"] = old["us"] / r["us"] if old and r["us"] and r["cfg"] else None
     print(table(rows, ["batch", "padded", "impl", "cfg", "us", "speedup", "vs_baseline", "ok"]))
-    print(f"raw numbers: {path}")
+    path = record("attention_probe", rows, HERE, dict(layers=LAYERS, replays=REPLAYS, heads=HEADS, kv_heads=KV,
+                                                      head_dim=DIM, cache_length=LENGTH, position=POS))
+    print(f"raw rows appended to {path}")
 
 
 if __name__ == "__main__":

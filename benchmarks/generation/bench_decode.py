@@ -1,38 +1,40 @@
-"""Rollout decode speed with the whole model gathered (issue #14): layer-wise lockstep, HF eager
-gathered (TRL's ``unwrap_model_for_generation`` + ``generate``: all parameters gathered, ZeRO-3's
-hooks off, here through ``hf_zero3.eval_forward(gather="all")``), transformers' static cache as is,
-and lockstep's compiled decode (``decode="compiled"``): hf_zero3's static loop at the library's
-defaults (``hf_zero3_graphs``: CUDA graphs of 8 steps, a stop agreement every 8 steps), and one
-row per switch that differs from them (``OURS``: graphs of 1 step or none, the q/k/v projections
-unfused, the PyTorch decode attention or the Triton one at every batch, cuBLAS for the MLP or for
-down and o_proj, the prompt's forward eager or with a C++ wrapper, the rotary embedding and cache
-write inside the Triton attention on or off, stop agreements run ahead on or off, the kernels as
-programmatic dependent launches off (``HF_ZERO3_PDL=0``) or prefetching 256/1024 columns, and
-``sync_every=1``: lockstep's default, a stop agreement before every step), same run, batch 8 and
-64, 128 new tokens.
-``BENCH_CONFIGS`` (comma-separated names) runs a subset; the ratio columns need
-``hf_eager_gathered`` and ``hf_static_gathered``.
+"""Rollout decode speed with the whole model gathered: hf_zero3's compiled static decode loop
+against the ways a ZeRO-3 rollout decodes without it, same run, batch 8 and 64, 128 new tokens.
+
+Rows (``config``):
+  hf_eager_gathered    TRL's ``unwrap_model_for_generation`` + ``generate``: all parameters
+                       gathered, ZeRO-3's hooks off (here ``hf_zero3.eval_forward(gather="all")``),
+                       transformers' eager decode. The baseline of ``vs_hf_eager_gathered``.
+  hf_static_gathered   the same with transformers' static cache (``cache_implementation="static"``,
+                       its own compiled decode step). The baseline of ``vs_hf_static``.
+  hf_zero3_graphs      ``hf_zero3.lockstep_generate(decode="compiled")`` at the library's defaults:
+                       the static loop, CUDA graphs of 8 steps, a stop agreement every 8 steps.
+  hf_zero3_*           one row per switch that differs from the defaults (``OURS`` below: graphs of
+                       1 step or none, q/k/v unfused, the PyTorch or always the Triton attention,
+                       cuBLAS for the MLP / down / o_proj / q/k/v, eager or C++-wrapper prompt
+                       forward, the fused rotary + cache write on/off, stop agreements run ahead
+                       on/off, dependent launches off or prefetching, ``sync_every=1``).
+  layerwise            lockstep with per-layer gathers (ZeRO-3's hooks live).
+``BENCH_CONFIGS`` (comma-separated names, or ``all``; default the first three) picks the rows; a
+name given twice is measured twice (the second row's name gets ``#2``): the host's drift within one
+process. The ratio columns need both HF rows in the run.
 
 Rows end at rank-dependent lengths: ``useful_tokens`` counts each row up to its own target length
 (drawn per rank, row 0 of rank 0 runs all 128), and every configuration runs the 128 decode
-forwards that such a group runs (the longest row sets them), without EOS (no row stops early in
-any configuration). (A Python stopping criterion would move every configuration onto
-transformers' loop, so the lengths are applied in the count, not in the loop.)
+forwards that such a group runs, without EOS. (A Python stopping criterion would move every
+configuration onto transformers' loop, so the lengths are applied in the count, not in the loop.)
 
-Model: Llama-3.2-1B shape in code (random weights, bf16) under ZeRO-3 on every GPU (up to 2).
-Each configuration runs once to compile, then ``BENCH_REPS`` more times (default 5; HF eager and
-per-layer, which take seconds, once); ``seconds`` is the median of those (a repeated rollout: the
-static loop replays the graphs its first call captured, ``graphs_reused``), ``seconds_all`` every
-one (``capture_s_all``: the host seconds each spent capturing CUDA graphs), and the first call's
-extra time over the median is reported as compile seconds. (Five, not three, since session 17:
-the first timed call of a static-loop row is often 1.5-2x the rest, and the median of three was
-then the slower of the other two.) A
-configuration named twice in ``BENCH_CONFIGS`` is measured twice (the second row's name gets
-``#2``, a third ``#3``): the drift of the host between the two. ``floor_tok_s``: batch / (bf16 weight bytes / HBM
-bandwidth), the tokens/s a decode step that only streams the weights once would reach
-(BENCH_HBM_TBPS, default 4.3 TB/s); ``fraction_of_floor`` counts every row of every step
-(``step_tokens_per_s``), as the floor does, ``useful_fraction_of_floor`` each row up to its own
-length.
+Model: Llama-3.2-1B shape in code (random weights, bf16) under ZeRO-3 on every GPU (up to 2), 64
+-token prompts, greedy. Each configuration runs once to compile, then ``BENCH_REPS`` more times
+(default 5; HF eager and layer-wise, which take seconds, once); ``seconds`` is the median of
+those (a repeated rollout: the static loop replays the CUDA graphs its first call captured,
+``graphs_reused``), ``seconds_all`` every one (``capture_s_all``: host seconds each spent capturing
+graphs: the first timed call of a static-loop row captures again, so the median of five is used);
+the first call's extra time over the median is ``compile_s``.
+``floor_tok_s``: batch / (bf16 weight bytes / HBM bandwidth), the tokens/s of a decode step that
+only streams the weights once (``BENCH_HBM_TBPS``, default 4.3 TB/s, an H200's); ``fraction_of_floor``
+counts every row of every step (``step_tokens_per_s``), as the floor does; ``tokens_per_s`` and
+the ``vs_*`` ratios count each row up to its own length.
 Run: python benchmarks/generation/bench_decode.py   (GPU only; BENCH_BATCHES=8,64)
 """
 
@@ -46,13 +48,12 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from common import llama_1b_config, save, set_switches, table, world_and_backend  # noqa: E402
+from common import llama_1b_config, record, scratch_dir, set_switches, table, world_and_backend  # noqa: E402
 
 MAX_NEW = int(os.environ.get("BENCH_MAX_NEW", 128))
 REPS = int(os.environ.get("BENCH_REPS", 5))  # timed calls after the compiling one
 BATCHES = [int(b) for b in os.environ.get("BENCH_BATCHES", "8,64").split(",")]
 PROMPT = 64
-PARTIAL = os.path.join(os.environ.get("OUT", HERE), "decode_partial.jsonl")
 # hf_zero3 rows: name -> (graph_steps, sync_every, switches set for the row); every other
 # HF_ZERO3_* switch is unset, so it runs at the library's default
 _ON, _OFF = "1", "0"
@@ -86,13 +87,15 @@ OURS = {
 SWITCHES = sorted({k for *_, env in OURS.values() for k in env})
 # the slow per-layer baseline last, so that a run cut short still has the main comparison
 ALL_CONFIGS = ("hf_eager_gathered", "hf_static_gathered", *OURS, "layerwise")
-CONFIGS = tuple(c for c in os.environ.get("BENCH_CONFIGS", ",".join(ALL_CONFIGS)).split(",") if c)
+DEFAULT_CONFIGS = ("hf_eager_gathered", "hf_static_gathered", "hf_zero3_graphs")
+_asked = os.environ.get("BENCH_CONFIGS", ",".join(DEFAULT_CONFIGS))
+CONFIGS = ALL_CONFIGS if _asked == "all" else tuple(c for c in _asked.split(",") if c)
 _unknown = sorted(set(CONFIGS) - set(ALL_CONFIGS))
 if _unknown:
     raise SystemExit(f"BENCH_CONFIGS names unknown configurations {_unknown}; known: {', '.join(ALL_CONFIGS)}")
 
 
-def rank_main():
+def rank_main(partial: str):
     import deepspeed
     import torch
     import torch.distributed as dist
@@ -174,7 +177,7 @@ def rank_main():
                              weight_bytes=n_bytes))
             if rank == 0:  # as it is measured: a run cut short keeps its rows
                 print("measured", rows[-1], flush=True)
-                with open(PARTIAL, "a") as f:
+                with open(partial, "a") as f:
                     f.write(json.dumps(rows[-1]) + "\n")
     return rows
 
@@ -186,10 +189,11 @@ def main():
     if backend != "nccl":
         print("bench_decode needs CUDA GPUs; skipped")
         return
-    if os.path.exists(PARTIAL):
-        os.remove(PARTIAL)
-    rows = run_ranks(rank_main, world, backend=backend, init="deepspeed", timeout=590, pg_timeout=120,
-                     capture=False)[0]
+    partial = os.path.join(scratch_dir(), "decode_partial.jsonl")  # rows as measured: a run cut short keeps them
+    if os.path.exists(partial):
+        os.remove(partial)
+    rows = run_ranks(rank_main, world, args=(partial,), backend=backend, init="deepspeed", timeout=590,
+                     pg_timeout=120, capture=False)[0]
     bw = float(os.environ.get("BENCH_HBM_TBPS", 4.3)) * 1e12
     for r in rows:
         r["tokens_per_s"] = r["useful_tokens"] / r["seconds"] / world  # per rank, each row up to its length
@@ -204,13 +208,13 @@ def main():
         for r in base.values():
             r["vs_hf_eager_gathered"] = r["tokens_per_s"] / base["hf_eager_gathered"]["tokens_per_s"]
             r["vs_hf_static"] = r["tokens_per_s"] / base["hf_static_gathered"]["tokens_per_s"]
-    setup = dict(world=world, max_new_tokens=MAX_NEW, prompt=PROMPT, batches=BATCHES)
-    path = save("decode", {"setup": setup, "rows": rows}, HERE)
+    setup = dict(world=world, model="llama-3.2-1b-shape", dtype="bf16", max_new_tokens=MAX_NEW, prompt=PROMPT,
+                 batches=BATCHES, reps=REPS, hbm_tbps=bw / 1e12)
+    path = record("decode", rows, HERE, setup)
     print(setup)
-    print(table(rows, ["batch", "config", "decode", "loop", "graph_steps", "fused_projections", "attention", "mlp_kernels", "forwards", "seconds", "seconds_min", "capture_s", "first_call_capture_s", "graphs_reused", "tokens_per_s",
-                       "step_tokens_per_s", "compile_s", "fraction_of_floor",
-                       "vs_hf_eager_gathered", "vs_hf_static"]))
-    print(f"raw numbers: {path}")
+    print(table(rows, ["batch", "config", "seconds", "tokens_per_s", "step_tokens_per_s", "fraction_of_floor",
+                       "vs_hf_eager_gathered", "vs_hf_static", "compile_s", "graphs_reused", "forwards"]))
+    print(f"raw rows appended to {path}")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,19 @@
-"""Lockstep generation throughput: transformers' synced_gpus vs fixed-step vs hf_zero3 sync
-(sync_every 1/4/16, layer-wise gathers) vs gather-once, for two length mixes.
+"""Lockstep generation when ranks finish at different steps: transformers' ``synced_gpus``
+(an all-reduce every step) against a fixed step count (DeepSpeed's own fix: always
+``max_new_tokens`` steps) and hf_zero3's lockstep (stop agreements every 1/4/16 steps, per-layer
+gathers; and gather-once: the whole model gathered for the call), for two length mixes.
 
-Model: Llama-3.2-1B shape built in code (random weights, bf16) under ZeRO-3 on every GPU (up to
-2; CPU/gloo with a tiny model if none). Each rank generates a batch whose rows stop at prescribed
-lengths (a rank-local stopping criterion, as EOS would), so both mixes are exact:
+Model: Llama-3.2-1B shape built in code (random weights, bf16) under strict ZeRO-3 (no
+persistence, prefetch or reuse) on every GPU (up to 2; CPU/gloo with a tiny model if none). Each
+rank generates ``BENCH_BATCH`` prompts of 32 tokens (default 4) for up to ``BENCH_MAX_NEW`` new
+tokens (default 64); each row stops at a prescribed length through a rank-local stopping
+criterion (as EOS would), so both mixes are exact:
   short:     every row stops after max_new_tokens/32 .. max_new_tokens/4 new tokens
   straggler: the same, but one row on rank 0 runs the full max_new_tokens
-Run: python benchmarks/generation/bench_generation.py   (make bench runs every benchmark)
+Measured: one generate() call, wall time on CUDA-synchronized clocks averaged over ranks;
+tokens/s counts the rows' prescribed (useful) tokens on every rank. Ratios against the same run's
+``synced_gpus``, ``fixed`` and ``sync4`` (per-layer gathers) rows.
+Run: python benchmarks/generation/bench_generation.py
 """
 
 from __future__ import annotations
@@ -17,10 +24,10 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from common import llama_1b_config, save, table, world_and_backend  # noqa: E402
+from common import llama_1b_config, record, table, world_and_backend  # noqa: E402
 
-MAX_NEW = int(os.environ.get("BENCH_MAX_NEW", 128))
-BATCH = int(os.environ.get("BENCH_BATCH", 8))
+MAX_NEW = int(os.environ.get("BENCH_MAX_NEW", 64))
+BATCH = int(os.environ.get("BENCH_BATCH", 4))
 PROMPT = 32
 
 CONFIGS = [  # name, how
@@ -133,13 +140,13 @@ def main():
             r["vs_synced_gpus"] = r["tokens_per_s"] / base["synced_gpus"]["tokens_per_s"]
             r["vs_fixed"] = r["tokens_per_s"] / base["fixed"]["tokens_per_s"]
             r["vs_sync4_layerwise"] = r["tokens_per_s"] / base["sync4"]["tokens_per_s"]
-    setup = dict(world=world, backend=backend, model="tiny" if small else "llama-1b-shape",
+    setup = dict(world=world, backend=backend, model="tiny" if small else "llama-3.2-1b-shape",
                  max_new_tokens=MAX_NEW, batch_per_rank=BATCH, prompt=PROMPT)
-    path = save("generation", {"setup": setup, "rows": rows}, HERE)
+    path = record("generation", rows, HERE, setup)
     print(setup)
     print(table(rows, ["mix", "config", "forwards", "forwards_rank1", "seconds", "tokens_per_s",
                        "vs_synced_gpus", "vs_fixed", "vs_sync4_layerwise"]))
-    print(f"raw numbers: {path}")
+    print(f"raw rows appended to {path}")
 
 
 if __name__ == "__main__":

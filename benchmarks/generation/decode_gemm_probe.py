@@ -1,18 +1,18 @@
-"""Decode-shape GEMMs: cuBLAS (through inductor, as the compiled decode step runs them) against the
-Triton kernels of ``hf_zero3.kernels.decode_gemm`` over a few launch configurations (issue #14).
+"""Decode-shape GEMMs: cuBLAS (through inductor, as a compiled decode step runs them) against the
+Triton kernels of ``hf_zero3.kernels.decode_gemm`` over their launch configurations.
 
 Shapes of the Llama-3.2-1B decode step (bf16): the fused q/k/v projection [3072 x 2048], o_proj
 [2048 x 2048], the gate/up pair [2 x 8192 x 2048] with SiLU and the product (cuBLAS: two GEMMs
-and inductor's fused SiLU-mul kernel), down [2048 x 8192]; 8 and 64 rows. Each measurement is a
-CUDA graph of 16 calls over 16 distinct weight copies (so the weights stream from HBM, not L2, as
-in a 16-layer step), replayed 20 times; per call: microseconds and the weights' TB/s. Each Triton
-row is checked against cuBLAS's output (bf16 tolerance) and says so in ``ok``. Split-K rows
-(``triton_split``, :data:`~hf_zero3.kernels.decode_gemm.SPLIT_CONFIGS`) time the kernel writing its
-float32 partials; their sum (checked, not timed) is left to the consumer's kernel.
-``PROBE_MASKED=1`` also times every Triton configuration with its tiles loaded under masks
-(``triton_masked``, ``triton_split_masked``: the kernels before session 17, which mask a weight
-tile's rows and columns also where the blocks divide the weight; the masks cost registers and
-spills at 64 rows), same run. ``PROBE_ROWS`` (default ``8,64``): the activation rows measured.
+and inductor's fused SiLU-mul kernel), down [2048 x 8192]. Each measurement is a CUDA graph of 16
+calls over 16 distinct weight copies (so the weights stream from HBM, not L2, as in a 16-layer
+step), replayed 20 times; per call: microseconds and the weights' TB/s. Each Triton row is checked
+against cuBLAS's output (bf16 tolerance) and says so in ``ok``. Split-K rows (``triton_split``,
+:data:`~hf_zero3.kernels.decode_gemm.SPLIT_CONFIGS`) time the kernel writing its float32
+partials; their sum (checked, not timed) is left to the consumer's kernel.
+``PROBE_MASKED=1`` also times every Triton configuration with its tiles loaded under masks where
+the blocks divide the weight (``triton_masked``, ``triton_split_masked``: ``EVEN=False``), same run.
+``PROBE_ROWS`` (default ``8,64``): the activation rows measured. A maintainer's tool for the
+kernels' configurations; the best row of each kernel goes to decode_gemm_probe.jsonl.
 Run: python benchmarks/generation/decode_gemm_probe.py   (GPU only)
 """
 
@@ -24,7 +24,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from common import graph_us, save, table  # noqa: E402
+from common import graph_us, record, table  # noqa: E402
 
 COPIES, REPLAYS = 16, 20
 MASKED = os.environ.get("PROBE_MASKED") == "1"
@@ -96,8 +96,6 @@ def main():
                 print(json.dumps(rows[-1]), flush=True)
         del weights, ups
         torch.cuda.empty_cache()
-    path = save("decode_gemm_probe", {"rows": rows, "torch": torch.__version__,  # best: computed below
-                                      "device": torch.cuda.get_device_name()}, HERE)
     best = []
     for name, _, _, _ in SHAPES:
         for m in ROWS:
@@ -113,7 +111,8 @@ def main():
                                  speedup=top and base["us"] / top["us"]))
     print(table(best, ["shape", "rows", "impl", "cublas_us", "cublas_tbps", "triton_us", "triton_tbps", "speedup",
                        "cfg"]))
-    print(f"raw numbers: {path}")
+    path = record("decode_gemm_probe", best, HERE, dict(copies=COPIES, replays=REPLAYS, rows=ROWS, masked=MASKED))
+    print(f"raw rows appended to {path}")
 
 
 if __name__ == "__main__":

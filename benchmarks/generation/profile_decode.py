@@ -1,10 +1,11 @@
-"""Where the time of one compiled rollout goes (issue #14): phases of a call, the kernels of one
+"""Where the time of one compiled rollout goes: phases of a call, the kernels of one
 decode step, the cost of the CUDA-graph sizes, compile modes, and whether the gathered
 parameters and the static cache keep their addresses from one call to the next.
 
 Same model and setup as ``bench_decode.py`` (Llama-3.2-1B shape, bf16, ZeRO-3, 64-token prompts,
 128 new tokens, one rank). A diagnosis tool, not a benchmark: it synchronizes around each phase.
-Prints one JSON object per measurement (``^{``) and writes them to ``profile_decode.json``.
+Prints one JSON object per measurement (``^{``) and writes them to ``profile_decode.json`` in
+``benchmarks/out`` (``$BENCH_RESULTS`` when set): a diagnosis, not results to keep.
 Modes: ``default`` (torch.compile's defaults), ``max-autotune`` (inductor's GEMM autotuning),
 ``combo`` (inductor's ``combo_kernels``: independent small kernels launched as one). Per mode it
 also profiles one prefill (GPU busy time and top kernels against its wall time) and the host
@@ -37,7 +38,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from common import llama_1b_config, save, set_switches, world_and_backend  # noqa: E402
+from common import command, environment, llama_1b_config, scratch_dir, set_switches, world_and_backend  # noqa: E402
 
 MAX_NEW, PROMPT = 128, 64
 MODES = os.environ.get("PROFILE_MODES", "default,max-autotune").split(",")
@@ -449,8 +450,8 @@ def _events(hf_zero3, engine, ids, sync_every: int = 8) -> dict:
 
 def _prefill_ops(hf_zero3, engine, ids) -> dict:
     """One warm call's prompt forward traced alone (host ops with their input shapes): which host
-    ops its time goes to, and every ``aten::copy_`` it issues (the host profile counted 34 copies
-    taking 8 ms of host time at batch 64, session 15)."""
+    ops its time goes to, and every ``aten::copy_`` it issues (a copy to the GPU inside the compiled
+    forward can block the host)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -506,7 +507,10 @@ def main():
         return
     rows = run_ranks(rank_main, 1, backend=backend, init="deepspeed", timeout=560, pg_timeout=120,
                      capture=False)[0]
-    print("raw numbers:", save("profile_decode", {"rows": rows}, HERE))
+    path = os.path.join(scratch_dir(), "profile_decode.json")
+    with open(path, "w") as f:
+        json.dump({"command": command(), "environment": environment(), "rows": rows}, f, indent=1, default=str)
+    print("profile written to", path)
 
 
 if __name__ == "__main__":

@@ -1,25 +1,28 @@
-"""DeepCompile memory: plain ZeRO-3 vs DeepCompile (zero3 pass only, DeepSpeed's default schedule)
-vs hf_zero3's memory plan (budget, match_zero3; ours_split = budget with coalesce off, to see
-what merging prefetch launches buys), uncapped and capped per process.
+"""DeepCompile memory and speed: plain ZeRO-3 vs DeepCompile (zero3 pass only, DeepSpeed's
+default schedule) vs hf_zero3's memory plan (``ours``: budget mode, the default; ``ours_match``:
+match_zero3; ``ours_split``: budget with prefetch coalescing off), uncapped and capped per process.
 
-Model: the issue's Llama-3.2-1B shape built in code (16 layers, hidden 2048, intermediate 8192,
-32 heads / 8 KV, vocab 128256, tied embeddings), batch 1 x 512 tokens, HF activation
-checkpointing, bf16, AdamW (torch), ZeRO-3 with DeepSpeed's default settings, one GPU per rank.
-Per step: torch.cuda.max_memory_allocated / max_memory_reserved (peak reset each step), wall
-time, cudaMalloc retries. Compile time: the extra time of the steps that compile (steps above 3x
-the median). Ratios use the baselines of the same invocation; where it has none, an earlier run's,
-and the row names them in ratios_from_earlier_run.
+Model: Llama-3.2-1B shape built in code (16 layers, hidden 2048, intermediate 8192, 32 heads / 8
+KV, vocab 128256, tied embeddings), batch 1 x 512 tokens, activation checkpointing, bf16, AdamW,
+ZeRO-3 with DeepSpeed's default settings, every GPU (up to 2) a rank. Per step: forward +
+``engine.backward`` + ``engine.step``, CUDA-synchronized wall time, ``max_memory_allocated`` /
+``max_memory_reserved`` (peak reset each step), cudaMalloc retries. Step time: the median of the
+later steps; compile time: the extra time of the steps above 3x the median. DeepSpeed's default
+schedule runs the zero3 pass alone for steps 0-4 and adds prefetch + selective gather at step 5
+(a second compile), so one ``dc_default`` cell gives both DeepCompile rows (zero3-only: its steps
+1-4; default: its steps 6+). Ratios (``speed_vs_*``, ``peak_vs_*``) are against the same
+invocation's plain ZeRO-3 and default-schedule rows of the same cell; none without them.
 
 Run (GPU):  python benchmarks/memory/bench_memory.py [--cap GIB ...] [--settings a,b] [--steps N]
             [--optim torch,fused] [--build zero_init,plain] [--ckpt nonreentrant,default] [--jobs N]
-Each cell (setting, cap, optimizer, construction, checkpointing) runs in fresh processes; rows
-accumulate in memory.json beside this file (BENCH_TAG=x writes memoryx.json). The robustness
-matrix of issue #13 crosses the axes: ``--optim fused`` is DeepSpeed's default AdamW (its fused
-CUDA Adam), ``--build plain`` builds ``LlamaForCausalLM(config)`` in fp32 and hands it to
-``deepspeed.initialize`` (no ``zero.Init``), ``--ckpt default`` calls
-``gradient_checkpointing_enable()`` with transformers' defaults. ``--jobs N`` runs N cells at once
-on the same GPUs: peaks and OOMs are per process and stay exact, step times are then only
-comparable within the run (the rows say how many ran together). BENCH_LAYERS=4 shrinks the model.
+Each cell (setting, cap, optimizer, construction, checkpointing) runs in fresh processes. The
+axes: ``--optim torch`` is ``torch_adam``, ``fused`` DeepSpeed's default (fused CUDA) AdamW;
+``--build zero_init`` builds under ``deepspeed.zero.Init``, ``plain`` builds
+``LlamaForCausalLM(config)`` in fp32 and hands it to ``deepspeed.initialize``; ``--ckpt
+nonreentrant`` asks transformers for non-reentrant checkpointing, ``default`` calls
+``gradient_checkpointing_enable()`` with transformers' defaults. ``--jobs N`` runs N cells at
+once on the same GPUs: peaks and OOMs stay exact per process, step times are then only comparable
+within the run (each row says how many ran together). BENCH_LAYERS=4 shrinks the model.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from common import llama_1b_config, save, table, world_and_backend  # noqa: E402
+from common import llama_1b_config, record, scratch_dir, table, world_and_backend  # noqa: E402
 
 SETTINGS = ("plain", "dc_default", "ours", "ours_match")  # dc_default also yields the zero3-only row
 AXES = ("optim", "build", "ckpt")
@@ -197,11 +200,8 @@ def main():
     if backend != "nccl":
         print("bench_memory needs CUDA GPUs (DeepCompile is CUDA-only); skipped")
         return
-    progress = os.path.join(os.environ.get("OUT", HERE), "memory_progress")
+    progress = os.path.join(scratch_dir(), "memory_progress")
     os.makedirs(progress, exist_ok=True)
-    name = "memory" + os.environ.get("BENCH_TAG", "")  # concurrent sweeps write apart
-    raw_path = os.path.join(HERE, f"{name}.json")
-    previous = json.load(open(raw_path)).get("rows", []) if os.path.exists(raw_path) else []
     cells = list(itertools.product(args.cap, args.optim.split(","), args.build.split(","), args.ckpt.split(","),
                                    args.settings.split(",")))
 
@@ -209,13 +209,15 @@ def main():
         cap, optim, build, ckpt, setting = cell
         t0 = time.time()
         status = "trained"
+        rec_path = os.path.join(progress, f"{_cell(setting, cap, optim, build, ckpt)}_rank0.json")
+        if os.path.exists(rec_path):  # an earlier invocation's record of this cell
+            os.remove(rec_path)
         try:
             run_ranks(rank_main, world, args=(setting, cap, args.steps, progress, optim, build, ckpt), backend=backend,
                       init="deepspeed", timeout=args.timeout, pg_timeout=60)
         except DistributedFailure as exc:
             status = "failed"
             print(str(exc)[-3000:], flush=True)
-        rec_path = os.path.join(progress, f"{_cell(setting, cap, optim, build, ckpt)}_rank0.json")
         rec = json.load(open(rec_path)) if os.path.exists(rec_path) else {
             "setting": setting, "cap_gib": cap, "optim": optim, "build": build, "ckpt": ckpt}
         if rec.get("error"):
@@ -233,16 +235,9 @@ def main():
     def key(r):
         return (r["cap_gib"], r.get("optim", "torch"), r.get("build", "zero_init"), r.get("ckpt", "nonreentrant"))
 
-    # Ratios against this run's baselines of the same cell; an earlier run's only where this run has
-    # none, and then the row says so (lent hosts differ by +-20 % in step time).
-    def baseline(label):
-        found = {}
-        for r in previous + rows:  # later wins: this run over earlier ones
-            if r["setting"] == label and r.get("median_step_s"):
-                found[key(r)] = r
-        return found
-
-    plain, default = baseline(LABEL["plain"]), baseline(LABEL["dc_default"])
+    # ratios against this invocation's baselines of the same cell only (hosts differ by +-20 % in step time)
+    plain = {key(r): r for r in rows if r["setting"] == LABEL["plain"] and r.get("median_step_s")}
+    default = {key(r): r for r in rows if r["setting"] == LABEL["dc_default"] and r.get("median_step_s")}
     for r in rows:
         if "median_step_s" in r:
             if key(r) in plain:
@@ -251,19 +246,13 @@ def main():
             if key(r) in default:
                 r["speed_vs_default"] = default[key(r)]["median_step_s"] / r["median_step_s"]
                 r["peak_vs_default"] = r["peak_alloc_gib"] / default[key(r)]["peak_alloc_gib"]
-            earlier = [nm for nm, base in (("plain", plain), ("default", default))
-                       if key(r) in base and all(base[key(r)] is not x for x in rows)]
-            if earlier:
-                r["ratios_from_earlier_run"] = earlier
-    done = {(r["setting"],) + key(r) for r in rows}
-    keep = [p for p in previous if (p["setting"],) + key(p) not in done]
-    path = save(name, {"setup": {"world": world, "seq": SEQ, "layers": model_config().num_hidden_layers,
-                                 "steps": args.steps, "jobs": args.jobs}, "rows": keep + rows}, HERE)
+    setup = {"world": world, "model": "llama-3.2-1b-shape", "layers": model_config().num_hidden_layers, "seq": SEQ,
+             "micro_batch": 1, "steps": args.steps, "jobs": args.jobs}
+    path = record("memory", rows, HERE, setup)
     print(table(rows, ["setting", "cap_gib", "optim", "build", "ckpt", "status", "peak_alloc_gib", "peak_reserved_gib",
                        "median_step_s", "compile_s", "alloc_retries", "prefetch_deferred", "planned", "persistent",
                        "gate_tighten_gib", "speed_vs_plain", "speed_vs_default", "peak_vs_plain", "peak_vs_default"]))
-    print(f"raw numbers: {path}")
-
+    print(f"raw rows appended to {path}")
 
 if __name__ == "__main__":
     main()

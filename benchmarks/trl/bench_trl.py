@@ -1,16 +1,20 @@
-"""TRL rollouts under ZeRO-3: GRPO generation throughput and step time, TRL alone vs with Zero3Safe,
-and DeepSpeed's OPSD rollout (HybridEngineRollout) with fixed steps vs hf_zero3's early stop.
+"""TRL rollouts under ZeRO-3: GRPO generation throughput and step time, TRL alone vs with
+``Zero3Safe``, and DeepSpeed's OPSD rollout (``HybridEngineRollout``) with fixed steps vs
+hf_zero3's early stop.
 
 GRPO (every GPU up to 2, NCCL; CPU/gloo with a tiny model if none): Qwen2-0.5B shape built in code
 (random weights, bf16), TRL's default GRPOConfig but 8 completions of <= 128 tokens per rank and
 per step, 3 steps (the first warms up); four settings in one run: TRL default
-(``ds3_gather_for_generation=True``), TRL with gather off, and both with ``callbacks=[Zero3Safe()]``.
-Rollout tokens/s counts generated tokens per rank over the time spent in ``generate()``.
+(``ds3_gather_for_generation=True``, the baseline), TRL with gather off, and both with
+``callbacks=[Zero3Safe()]``. Rollout tokens/s counts generated tokens per rank over the time spent
+in ``generate()``; step: the fastest of steps 2-3.
 
-OPSD rollout: the same model in a ZeRO-3 engine, greedy, batch 8, 128 new tokens; row i of rank r
-emits EOS at step (0.1 + 0.08 i + 0.03 r) x 128 (a logits processor in the model's generate(), as
-rollouts end at different lengths), so the group's last row ends at step 84 (one rank) or 88 (two). DeepSpeed's rollout runs all 128 forwards; ``hf_zero3.trl.early_stop`` stops at the
-longest row (the group's longest row with several ranks); outputs compared token for token.
+OPSD rollout: the same model in a ZeRO-3 engine, greedy, batch 8, 64-token prompts, 128 new
+tokens; row i of rank r emits EOS at step (0.1 + 0.08 i + 0.03 r) x 128 (a logits processor in the
+model's generate(), as rollouts end at different lengths), so the group's last row ends at step 84
+(one rank) or 88 (two). DeepSpeed's rollout runs all 128 forwards; ``hf_zero3.trl.early_stop``
+stops at the group's longest row; outputs compared token for token.
+Rows go to trl.jsonl with ``part`` "grpo" or "opsd". ``BENCH_TRL_ONLY=opsd`` runs the OPSD part alone.
 Run: python benchmarks/trl/bench_trl.py
 """
 
@@ -22,7 +26,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from common import save, table, world_and_backend  # noqa: E402
+from common import record, table, world_and_backend  # noqa: E402
 
 MAX_NEW = int(os.environ.get("BENCH_MAX_NEW", 128))
 SETTINGS = [("trl_default", True, False), ("trl_gather_off", False, False),
@@ -217,30 +221,25 @@ def main():
     from hf_zero3.testing import run_ranks
 
     world, backend = world_and_backend()
-    if os.environ.get("BENCH_TRL_ONLY") == "opsd":
-        opsd = run_ranks(opsd_rank, world, backend=backend, init="deepspeed", timeout=590, pg_timeout=300)[0]
-        opsd[1]["speedup"] = opsd[0]["seconds"] / opsd[1]["seconds"]
-        print(table(opsd, ["setting", "forwards", "seconds", "useful_tokens_per_s", "speedup", "same_output"]))
-        print("saved", save("trl_opsd", {"opsd": opsd}, HERE))
-        return
-    grpo = run_ranks(grpo_rank, world, args=(tempfile.mkdtemp(),), backend=backend, init="deepspeed", timeout=590,
-                     pg_timeout=300)
-    rows = [r for rank_rows in grpo for r in rank_rows]
-    base = {r["setting"]: r for r in grpo[0]}
-    for r in rows:
-        b = base["trl_default"]
-        r["vs_trl_default_tok_s"] = r["rollout_tokens_per_s"] / b["rollout_tokens_per_s"]
-        r["vs_trl_default_step"] = b["step_s"] / r["step_s"]
-    opsd = run_ranks(opsd_rank, world, backend=backend, init="deepspeed", timeout=590, pg_timeout=300)[0]
-    opsd[1]["speedup"] = opsd[0]["seconds"] / opsd[1]["seconds"]
     setup = dict(world=world, backend=backend, max_new_tokens=MAX_NEW,
                  model="qwen2-0.5b-shape" if backend == "nccl" else "tiny-qwen2")
-    print(setup)
-    print(table(rows, ["setting", "rank", "rollout_tokens_per_s", "step_s", "vs_trl_default_tok_s",
-                       "vs_trl_default_step"]))
+    rows = []
+    if os.environ.get("BENCH_TRL_ONLY") != "opsd":
+        grpo = run_ranks(grpo_rank, world, args=(tempfile.mkdtemp(),), backend=backend, init="deepspeed", timeout=590,
+                         pg_timeout=300)
+        rows = [dict(r, part="grpo") for rank_rows in grpo for r in rank_rows]
+        base = next(r for r in rows if r["setting"] == "trl_default" and r["rank"] == 0)
+        for r in rows:
+            r["vs_trl_default_tok_s"] = r["rollout_tokens_per_s"] / base["rollout_tokens_per_s"]
+            r["vs_trl_default_step"] = base["step_s"] / r["step_s"]
+        print(table(rows, ["setting", "rank", "rollout_tokens_per_s", "step_s", "vs_trl_default_tok_s",
+                           "vs_trl_default_step"]))
+    opsd = run_ranks(opsd_rank, world, backend=backend, init="deepspeed", timeout=590, pg_timeout=300)[0]
+    opsd[1]["speedup"] = opsd[0]["seconds"] / opsd[1]["seconds"]
     print(table(opsd, ["setting", "forwards", "seconds", "useful_tokens_per_s", "speedup", "same_output"]))
-    print("saved", save("trl", {"setup": setup, "grpo": rows, "opsd": opsd}, HERE))
-
+    path = record("trl", rows + [dict(r, part="opsd") for r in opsd], HERE, setup)
+    print(setup)
+    print(f"raw rows appended to {path}")
 
 if __name__ == "__main__":
     main()
