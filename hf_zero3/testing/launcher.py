@@ -1,12 +1,17 @@
 """Run a function on N ranks of a real ``torch.distributed`` group and turn hangs into reports.
 
-Every distributed test of hf_zero3 goes through :func:`run_ranks`. Each rank is a spawned
-process in its own session (so nothing it starts outlives it), joins a gloo (or NCCL) group with
+Every distributed test of hf_zero3 goes through :func:`run_ranks`. Each rank is a new process
+in its own session (so nothing it starts outlives it), joins a gloo (or NCCL) group with
 a short process-group timeout, and keeps three files in a scratch folder: its last *state*
 (set with :func:`mark`), its *stack* (``faulthandler`` dumps on a fatal signal or when the parent
 asks) and its *log*. When the outer deadline passes, the parent asks every live rank for its
 stack, kills what is left and raises :class:`DistributedFailure`, which names each rank, what
 happened to it, where it was, and its last stack.
+
+CPU (gloo) ranks are forked from a fork server that imported torch, DeepSpeed, transformers,
+accelerate, PEFT and TRL once (:mod:`hf_zero3.testing.rank_imports`): every rank is still a fresh
+process with its own state, but starts in milliseconds instead of paying those imports again.
+CUDA ranks are spawned (a process that may have touched CUDA must not be forked).
 """
 
 from __future__ import annotations
@@ -107,6 +112,7 @@ def run_ranks(
     init: str = "torch",
     env: dict[str, str] | None = None,
     capture: bool = True,
+    start_method: str | None = None,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks and return each rank's result.
 
@@ -114,13 +120,15 @@ def run_ranks(
     ``"deepspeed"`` with ``deepspeed.init_distributed`` (which also sets up DeepSpeed's comm
     backend), ``"none"`` leaves it to ``fn``. ``timeout`` is the hard wall-clock limit for the
     whole run; ``pg_timeout`` is every collective's limit. ``capture=False`` lets rank output
-    through to the terminal (for demos) instead of into the report.
+    through to the terminal (for demos) instead of into the report. ``start_method``: how ranks
+    start; by default ``"forkserver"`` for gloo (imports paid once per process that calls this)
+    and ``"spawn"`` for NCCL.
     Raises :class:`DistributedFailure` if any rank raises, dies or is still running at the deadline.
     """
     if init not in ("torch", "deepspeed", "none"):
         raise ValueError(f"init must be 'torch', 'deepspeed' or 'none', not {init!r}")
     workdir = tempfile.mkdtemp(prefix="hf_zero3_ranks_")
-    ctx = multiprocessing.get_context("spawn")
+    ctx = _context(start_method or ("forkserver" if backend == "gloo" else "spawn"))
     port = free_port()
     procs = []
     start = time.monotonic()
@@ -129,7 +137,7 @@ def run_ranks(
             p = ctx.Process(
                 target=_rank_main,
                 args=(fn, rank, world_size, port, workdir, args, kwargs or {}, pg_timeout,
-                      backend, init, env or {}, capture),
+                      backend, init, {**os.environ, **(env or {})}, capture),
                 name=f"hf_zero3-rank{rank}",
             )
             p.start()
@@ -156,8 +164,20 @@ def run_ranks(
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def _context(method: str):
+    if method not in multiprocessing.get_all_start_methods():
+        raise ValueError(f"start_method {method!r} is not available here; use one of "
+                         f"{multiprocessing.get_all_start_methods()}")
+    ctx = multiprocessing.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(["hf_zero3.testing.rank_imports"])
+    return ctx
+
+
 def _rank_main(fn, rank, world_size, port, workdir, args, kwargs, pg_timeout, backend, init,
                env, capture):
+    """``env`` is the caller's whole environment at launch (plus the run's ``env``): a forked
+    rank would otherwise see the fork server's, taken when it started."""
     global _STATE_FILE
     os.setsid()  # own session: the parent kills it and everything it started in one go
     if capture:
@@ -168,6 +188,8 @@ def _rank_main(fn, rank, world_size, port, workdir, args, kwargs, pg_timeout, ba
     faulthandler.enable(file=stack_file, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     _STATE_FILE = os.path.join(workdir, f"rank{rank}.state")
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update({
         "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
@@ -176,7 +198,6 @@ def _rank_main(fn, rank, world_size, port, workdir, args, kwargs, pg_timeout, ba
     if backend == "gloo":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-    os.environ.update(env)
     if backend == "nccl":
         import torch
 
