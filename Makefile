@@ -1,6 +1,7 @@
 # Two commands for a fresh CPU-only machine with Python 3.11, pip and gcc:
 #   make demo   - set up .venv if needed, then run the 2-process ZeRO-3 demo
 #   make test   - set up .venv if needed, then run the whole CPU test suite
+# Also: make docs (build the documentation site, strict), make lint (ruff check + format check).
 # With GPUs: make gpu-test (GPU integration tests) and make bench (benchmarks).
 PYTHON ?= python3
 VENV ?= .venv
@@ -21,9 +22,9 @@ export PYTHONUNBUFFERED = 1
 
 STAMP := $(VENV)/.hf_zero3-installed
 
-.PHONY: demo test gpu-test bench install clean
+.PHONY: demo test docs lint gpu-test bench install clean
 
-$(STAMP): setup.cfg pyproject.toml requirements/tested.txt
+$(STAMP): pyproject.toml requirements/tested.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV_ARGS) $(VENV)
 	$(PIP) --upgrade pip setuptools wheel
 	if [ -n "$(TORCH_SPEC)" ]; then $(PIP) "$(TORCH_SPEC)"; fi
@@ -31,7 +32,7 @@ $(STAMP): setup.cfg pyproject.toml requirements/tested.txt
 		"pydantic>=2" einops tqdm
 	# DeepSpeed ships an sdist: build it against the torch above, ops JIT-built when first used.
 	DS_BUILD_OPS=0 $(PIP) --no-build-isolation -c requirements/tested.txt deepspeed
-	$(PIP) -c requirements/tested.txt -e ".[test,trl,peft]"
+	$(PIP) -c requirements/tested.txt -e ".[test,trl,peft,docs,lint]"
 	touch $@
 
 install: $(STAMP)
@@ -42,6 +43,13 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest tests/cpu -q
 
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict -d site
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
 # GPU hosts: reuse the system's CUDA torch (no pin), then run the tests marked gpu.
 gpu-test:
 	$(MAKE) install VENV=.venv-gpu VENV_ARGS=--system-site-packages TORCH_SPEC=
@@ -49,7 +57,7 @@ gpu-test:
 
 bench:
 	$(MAKE) install VENV=.venv-gpu VENV_ARGS=--system-site-packages TORCH_SPEC=
-	.venv-gpu/bin/python benchmarks/run_all.py
+	.venv-gpu/bin/python benchmarks/run_all.py $(BENCH)
 
 clean:
-	rm -rf $(VENV) .venv-gpu .cache
+	rm -rf $(VENV) .venv-gpu .cache site

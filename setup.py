@@ -1,4 +1,4 @@
-"""Metadata lives in setup.cfg. This file only adds the optional prebuilt native gate:
+"""Package metadata lives in pyproject.toml. This file only adds the optional prebuilt native gate:
 
     HF_ZERO3_BUILD_EXT=1 pip install --no-build-isolation .
 

@@ -24,13 +24,12 @@ def rank_job(tmpdir):
     import torch.distributed as dist
 
     from hf_zero3 import Zero3Safe
-    from hf_zero3.testing.scenarios import find_eos_scenario
     from hf_zero3.testing.models import unsharded_copy
+    from hf_zero3.testing.scenarios import find_eos_scenario
     from hf_zero3.testing.trainer_job import make_trainer, train_losses
 
     rank = dist.get_rank()
-    trainer = make_trainer(tmpdir, callbacks=[Zero3Safe(sync_every=4)], max_steps=12,
-                           eval_steps=6, progress=rank == 0)
+    trainer = make_trainer(tmpdir, callbacks=[Zero3Safe(sync_every=4)], max_steps=12, eval_steps=6, progress=rank == 0)
     t0 = time.time()
     trainer.train()
     train_s = time.time() - t0
@@ -46,23 +45,33 @@ def rank_job(tmpdir):
     model.eval()
     for p in prompts:
         with torch.no_grad():
-            out = model.generate(torch.tensor([p]), max_new_tokens=sc.steps, do_sample=False,
-                                 eos_token_id=sc.eos_token_id, pad_token_id=0)
+            out = model.generate(
+                torch.tensor([p]),
+                max_new_tokens=sc.steps,
+                do_sample=False,
+                eos_token_id=sc.eos_token_id,
+                pad_token_id=0,
+            )
         lengths.append(out.shape[1] - len(p))
         forwards.append(model.hf_zero3_last_generate.forwards)
-    return dict(rank=rank, losses=train_losses(trainer), eval_loss=eval_loss, train_s=train_s,
-                lengths=lengths, forwards=forwards, steps=sc.steps,
-                gather=model.hf_zero3_last_generate.gather,
-                plan=model.hf_zero3_last_eval_plan.strategy)
+    return dict(
+        rank=rank,
+        losses=train_losses(trainer),
+        eval_loss=eval_loss,
+        train_s=train_s,
+        lengths=lengths,
+        forwards=forwards,
+        steps=sc.steps,
+        gather=model.hf_zero3_last_generate.gather,
+        plan=model.hf_zero3_last_eval_plan.strategy,
+    )
 
 
 def main():
     start = time.time()
-    print("hf_zero3 demo: 2 ranks (gloo, CPU), tiny Llama, strict ZeRO-3, Trainer + Zero3Safe",
-          flush=True)
+    print("hf_zero3 demo: 2 ranks (gloo, CPU), tiny Llama, strict ZeRO-3, Trainer + Zero3Safe", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        results = run_ranks(rank_job, 2, args=(tmp,), init="deepspeed", timeout=170,
-                            pg_timeout=60, capture=False)
+        results = run_ranks(rank_job, 2, args=(tmp,), init="deepspeed", timeout=170, pg_timeout=60, capture=False)
     r0 = results[0]
     print("\n==================== report ====================")
     losses = r0["losses"]
@@ -71,10 +80,14 @@ def main():
     print(f"lockstep generation (max_new_tokens={r0['steps']}, stop='sync', sync_every=4):")
     for r in results:
         for i, (n, f) in enumerate(zip(r["lengths"], r["forwards"])):
-            print(f"  rank {r['rank']} prompt {i}: generated {n:2d} tokens, "
-                  f"{f:2d} decode forwards (gather: {r['gather']})")
-    same = all(results[0]["forwards"][i] == results[1]["forwards"][i]
-               for i in range(min(len(results[0]["forwards"]), len(results[1]["forwards"]))))
+            print(
+                f"  rank {r['rank']} prompt {i}: generated {n:2d} tokens, "
+                f"{f:2d} decode forwards (gather: {r['gather']})"
+            )
+    same = all(
+        results[0]["forwards"][i] == results[1]["forwards"][i]
+        for i in range(min(len(results[0]["forwards"]), len(results[1]["forwards"])))
+    )
     print(f"same number of forwards on both ranks for each call: {same}")
     print(f"total wall time: {time.time() - start:.1f}s")
 

@@ -12,7 +12,7 @@ Public API (imported lazily, so ``import hf_zero3`` stays cheap):
   prefetch plan through accelerate; :func:`compile_with_memory_plan` for a bare engine;
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _LAZY = {
     "Zero3Safe": "hf_zero3.trainer",
