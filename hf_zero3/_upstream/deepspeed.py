@@ -167,7 +167,7 @@ def engine_forward_hooks_suspended(module: nn.Module):
 # Function (it re-gathers the weight in backward instead of saving it gathered), and leaves it so
 # ("This will persist unless manually reset"). Every ``nn.Linear`` call then pays
 # ``Function.apply`` and an ``inspect.signature`` binding, also under ``no_grad``: an eager prompt
-# forward, host-bound already, spends a large share of its host time there (measured in
+# forward, host-bound already, spends a large share of its host time there (see the ablations in
 # benchmarks/RESULTS.md). Under ``no_grad`` the Function has
 # no backward to prepare: its own forward (``LinearFunctionForZeroStage3.forward``, the same
 # kernels) can be called directly.
@@ -395,8 +395,8 @@ def patch_deepcompile_profile_in_allocator_units():
     The profilers add ``_get_mem_usage_out_of_torch()`` (NVML's used memory minus this allocator's
     reserve, read once per profiled graph: the CUDA context, NCCL, and every other process on the
     card) to each node's reading. A plan made from it, then checked against memory read later,
-    depends on what the other processes held at the profiling instant: a job sharing the card
-    with one whose usage changed was refused as not fitting (benchmarks/RESULTS.md).
+    depends on what the other processes held at the profiling instant: next to a job whose usage
+    on the card changes, a plan that fits can be refused as not fitting.
     hf_zero3 plans in the caching allocator's own units (see :mod:`hf_zero3.compile.budget`), so
     the profile adds 0. Module global, read by name inside that module; returns the undo."""
     from deepspeed.compile.profilers import graph_profile

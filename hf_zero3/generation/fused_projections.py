@@ -3,9 +3,9 @@
 At decode shapes (a few to 64 rows) a GEMM over a small weight is bound by its launch and ramp,
 not by reading the weight: the small key and value weights are read far below the GPU's memory
 bandwidth, so the three projections as one GEMM over one concatenated weight take about the time
-of one of them (``benchmarks/generation/gemm_fusion_probe.py``; measured in
-benchmarks/RESULTS.md). The gate/up pair is not fused this way: one GEMM over both weights was
-slower than the two (:mod:`.decode_mlp` fuses it in a Triton kernel instead).
+of one of them (see the ablations in benchmarks/RESULTS.md). The gate/up pair is not fused this
+way: one GEMM over both weights is slower than the two (same section; :mod:`.decode_mlp` fuses it
+in a Triton kernel instead).
 
 hf_zero3's static loop (:mod:`.graph_decode`) uses it for its decode steps only: per call it
 copies each attention module's three weights (and biases) into one buffer (the values change

@@ -194,8 +194,8 @@ def dependent_launches(device) -> bool:
     where it reads its output (the Triton GEMMs and the rope attention:
     :mod:`hf_zero3.kernels.decode_gemm`; inductor's kernels: its ``triton.enable_pdl``). A decode
     step is over a hundred short kernels, each with a ramp of its own: dependent launches let the
-    next kernel start its prologue before this one ends, which pays most at large batches (measured
-    in benchmarks/RESULTS.md). Where the GPU or Triton cannot
+    next kernel start its prologue before this one ends, which pays most at large batches (see the
+    ablations in benchmarks/RESULTS.md). Where the GPU or Triton cannot
     (:func:`~hf_zero3.kernels.decode_gemm.dependent_unavailable`: before Hopper, on CPU) the steps
     launch as usual; asked for explicitly (``HF_ZERO3_PDL=1``), one log line says why. Read when a
     decode loop is built."""
@@ -214,13 +214,13 @@ _PDL_REFUSED: set = set()  # reasons already logged
 
 
 def ahead_enabled() -> bool:
-    """Stop agreements run ahead (``HF_ZERO3_RUN_AHEAD=1``, opt-in: no reliable gain so far,
-    measured in benchmarks/RESULTS.md): at each agreement the next decode step is queued first and
-    the agreement reads the flag of the steps before it, so the host's agreement (a gloo round
-    trip) and the next graph's launch overlap a step on the GPU instead of idling it; at the
-    agreed stop the one step queued ahead is dropped (GPU work only: the agreements, the counted
-    forwards and the output are those of the loop without it). Meant for ``sync_every=1``
-    (lockstep's default: an agreement before every step)."""
+    """Stop agreements run ahead (``HF_ZERO3_RUN_AHEAD=1``, opt-in: no reliable gain where
+    measured, see the ablations in benchmarks/RESULTS.md): at each agreement the next decode step
+    is queued first and the agreement reads the flag of the steps before it, so the host's
+    agreement (a gloo round trip) and the next graph's launch overlap a step on the GPU instead of
+    idling it; at the agreed stop the one step queued ahead is dropped (GPU work only: the
+    agreements, the counted forwards and the output are those of the loop without it). Meant for
+    ``sync_every=1`` (lockstep's default: an agreement before every step)."""
     return _switch.on("HF_ZERO3_RUN_AHEAD", default=False)
 
 
@@ -253,10 +253,11 @@ def _compiled_once(fn, **options):
 
 def prefill_options() -> dict:
     """Inductor options of the compiled prompt forward. ``HF_ZERO3_PREFILL_CPP_WRAPPER=1`` (opt-in)
-    generates its wrapper in C++ (inductor's ``cpp_wrapper``): at large batches the prompt
-    forward's host side (hundreds of Triton launches from Python) can take longer than its GPU
-    time, so the GPU waits for it and the loop lookup after it cannot hide behind it (measured in
-    benchmarks/RESULTS.md). Its first compile takes longer (a C++ build)."""
+    generates its wrapper in C++ (inductor's ``cpp_wrapper``), for where the prompt forward's host
+    side (hundreds of Triton launches from Python) takes longer than its GPU time, so that the GPU
+    waits for it and the loop lookup after it cannot hide behind it. Opt-in: where measured it
+    gave no reliable gain (see the ablations in benchmarks/RESULTS.md), and its first compile
+    takes longer (a C++ build)."""
     return {"cpp_wrapper": True} if _switch.on("HF_ZERO3_PREFILL_CPP_WRAPPER", default=False) else {}
 
 

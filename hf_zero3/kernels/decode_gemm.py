@@ -2,29 +2,30 @@
 MLP's ``silu(x @ Wg.T) * (x @ Wu.T)`` in one kernel.
 
 At decode shapes a GEMM only streams its weight, and cuBLAS's kernels for them stay below the
-GPU's memory bandwidth, with a floor of a few microseconds per launch
-(``benchmarks/generation/gemm_fusion_probe.py``). These kernels give every program a narrow slice
-of output columns (``BLOCK_N``) over all rows and the whole reduction (no split-K), and the gate/up
-pair reads both weights' slices in one pass and writes the product (no [rows x 2 x intermediate]
-intermediate, no separate SiLU kernel). A weight with few output columns and a long reduction (down: 2048 x 8192) gets too few programs
-that way, and cuBLAS's split-K is faster there. Compared with cuBLAS by
-``benchmarks/generation/decode_gemm_probe.py`` (measured in benchmarks/RESULTS.md): the gate/up
-kernel beats cuBLAS + inductor's SiLU-mul, the plain GEMM does not and is not used; the decode
-step's MLP uses the gate/up kernel through :mod:`hf_zero3.generation.decode_mlp`.
+GPU's memory bandwidth, with a floor of a few microseconds per launch (see the kernel probes and
+the ablations in benchmarks/RESULTS.md). These kernels give every program a narrow slice of output
+columns (``BLOCK_N``) over all rows and the whole reduction (no split-K), and the gate/up pair
+reads both weights' slices in one pass and writes the product (no [rows x 2 x intermediate]
+intermediate, no separate SiLU kernel). A weight with few output columns and a long reduction
+(down: 2048 x 8192) gets too few programs that way, and cuBLAS's split-K is faster there. Compared
+with cuBLAS by ``benchmarks/generation/decode_gemm_probe.py`` (see the kernel probes and the
+ablations in benchmarks/RESULTS.md): the gate/up kernel beats cuBLAS + inductor's SiLU-mul, the
+plain GEMM does not and is not used; the decode step's MLP uses the gate/up kernel through
+:mod:`hf_zero3.generation.decode_mlp`.
 
 Programmatic dependent launch (:func:`load_dependent`; the decode loop's ``HF_ZERO3_PDL``, on by
 default on Hopper): at decode shapes each GEMM is short (microseconds) and pays a ramp of its own;
 launched as a dependent of the kernel before it, a GEMM's programs are resident and waiting when
 that kernel finishes, and release the kernel after them at once. They may also ask L2 for the
 first columns of their weight slice before they wait (``HF_ZERO3_PDL_PREFETCH``, off by default:
-it made rollouts slower, measured in benchmarks/RESULTS.md). A stack of the step's GEMMs in one
-CUDA graph runs faster with dependent launches than without
+rollouts are slower with it where measured, see the ablations in benchmarks/RESULTS.md). A stack
+of the step's GEMMs in one CUDA graph runs faster with dependent launches than without
 (``tests/gpu/test_dependent_launch_gpu.py``).
 
 Tiles load without masks where every block a launch may take divides the weight's rows and the
 reduction (:func:`_even`, the kernels' ``EVEN``): compiled for sm_90, a mask on a weight tile's rows
 can take every register and spill at 64 rows, and the unmasked split-K GEMMs are faster
-(``benchmarks/generation/decode_gemm_probe.py`` with ``PROBE_MASKED=1``; measured in
+(``benchmarks/generation/decode_gemm_probe.py`` with ``PROBE_MASKED=1``; see the ablations in
 benchmarks/RESULTS.md).
 
 Loaded lazily; :func:`is_available` as in :mod:`.gqa_decode` (Triton, ``torch.library``).
@@ -180,8 +181,9 @@ def load():
 def prefetch_columns() -> int:
     """Reduction columns of its weight slice a dependent GEMM asks L2 for before it waits
     (``HF_ZERO3_PDL_PREFETCH``: 0, the default, none; else a power of two from 64): per program a
-    slice's rows times these columns, a few MB per GEMM over all programs. Off by default: it was
-    slower where measured (benchmarks/RESULTS.md); kept to measure on other GPUs."""
+    slice's rows times these columns, a few MB per GEMM over all programs. Off by default: rollouts
+    are slower with it where measured (see the ablations in benchmarks/RESULTS.md); kept to measure
+    on other GPUs."""
     import os
 
     raw = os.environ.get("HF_ZERO3_PDL_PREFETCH", "").strip()
