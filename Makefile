@@ -40,8 +40,9 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
+# Two pytest workers: single-process tests and waits of one test fill the cores the other leaves idle.
 test: $(STAMP)
-	$(PY) -m pytest tests/cpu -q
+	$(PY) -m pytest tests/cpu -q -n 2 --dist loadscope
 
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict -d site

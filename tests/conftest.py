@@ -30,10 +30,13 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
 
 
 def pytest_sessionstart(session):
-    """Build DeepSpeed's CPU comm op once, before any rank is spawned (see testing/warm.py)."""
+    """Build DeepSpeed's CPU comm op once, before any rank is spawned (see testing/warm.py).
+
+    Under pytest-xdist the controller builds it before it starts the workers; a worker must not
+    (it would take a build another worker is running for a stale one)."""
     import torch
 
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() or hasattr(session.config, "workerinput"):
         return
     from hf_zero3.testing.warm import warm_cpu_comm_op
 

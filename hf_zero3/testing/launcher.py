@@ -198,6 +198,11 @@ def _rank_main(fn, rank, world_size, port, workdir, args, kwargs, pg_timeout, ba
     if backend == "gloo":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+        # One intra-op thread per rank unless asked otherwise, as torchrun sets OMP_NUM_THREADS=1
+        # for several processes on one host: ranks sharing the cores must not oversubscribe them.
+        import torch
+
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 1))
     if backend == "nccl":
         import torch
 
