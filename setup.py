@@ -14,8 +14,9 @@ ext_modules, cmdclass = [], {}
 if os.environ.get("HF_ZERO3_BUILD_EXT") == "1":
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
-    ext_modules = [CUDAExtension("hf_zero3._gate", ["csrc/gate.cpp"],
-                                 extra_compile_args={"cxx": ["-O2", "-DHF_ZERO3_WITH_CUDA"]})]
+    ext_modules = [
+        CUDAExtension("hf_zero3._gate", ["csrc/gate.cpp"], extra_compile_args={"cxx": ["-O2", "-DHF_ZERO3_WITH_CUDA"]})
+    ]
     cmdclass = {"build_ext": BuildExtension}
 
 setup(ext_modules=ext_modules, cmdclass=cmdclass)

@@ -36,8 +36,17 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
 _START_ENV = dict(os.environ)
 _ARGV = list(sys.argv)
 # variables that change what a benchmark measures; they are written into each row's command
-_COMMAND_PREFIXES = ("BENCH_", "HF_ZERO3_", "PROBE_", "PROFILE_", "ATTENTION_PROBE_", "CUDA_VISIBLE_DEVICES",
-                     "NCCL_", "TORCH_CUDA_ARCH_LIST", "PYTORCH_CUDA_ALLOC_CONF")
+_COMMAND_PREFIXES = (
+    "BENCH_",
+    "HF_ZERO3_",
+    "PROBE_",
+    "PROFILE_",
+    "ATTENTION_PROBE_",
+    "CUDA_VISIBLE_DEVICES",
+    "NCCL_",
+    "TORCH_CUDA_ARCH_LIST",
+    "PYTORCH_CUDA_ALLOC_CONF",
+)
 _NOT_COMMAND = ("BENCH_RESULTS",)  # where rows go, not what they measure
 _RUN = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
 
@@ -47,10 +56,20 @@ def llama_1b_config(num_hidden_layers: int = 16):
     heads / 8 KV, vocab 128256, tied embeddings), SDPA attention."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
-                       num_hidden_layers=num_hidden_layers, num_attention_heads=32, num_key_value_heads=8,
-                       max_position_embeddings=2048, tie_word_embeddings=True, attn_implementation="sdpa",
-                       pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return LlamaConfig(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        attn_implementation="sdpa",
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
 
 
 def world_and_backend(max_gpus: int = 2):
@@ -68,8 +87,13 @@ def environment() -> dict:
     import torch
 
     n = torch.cuda.device_count()
-    env = {"gpus": [torch.cuda.get_device_name(i) for i in range(n)], "python": platform.python_version(),
-           "torch": torch.__version__, "cuda": torch.version.cuda, "platform": platform.platform(terse=True)}
+    env = {
+        "gpus": [torch.cuda.get_device_name(i) for i in range(n)],
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "platform": platform.platform(terse=True),
+    }
     for pkg in ("triton", "deepspeed", "transformers", "accelerate", "trl"):
         try:
             env[pkg] = md.version(pkg)
@@ -80,16 +104,20 @@ def environment() -> dict:
 
 def command() -> str:
     """The command line that started this benchmark, with the environment switches it ran under."""
-    env = [f"{k}={shlex.quote(v)}" for k, v in sorted(_START_ENV.items())
-           if k.startswith(_COMMAND_PREFIXES) and k not in _NOT_COMMAND]
+    env = [
+        f"{k}={shlex.quote(v)}"
+        for k, v in sorted(_START_ENV.items())
+        if k.startswith(_COMMAND_PREFIXES) and k not in _NOT_COMMAND
+    ]
     script = os.path.relpath(os.path.abspath(_ARGV[0]), ROOT) if _ARGV and _ARGV[0] else "?"
     return " ".join(env + ["python", script] + [shlex.quote(a) for a in _ARGV[1:]])
 
 
 def _git(*args) -> str | None:
     try:
-        return subprocess.run(["git", "-C", ROOT, *args], capture_output=True, text=True, timeout=20,
-                              check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "-C", ROOT, *args], capture_output=True, text=True, timeout=20, check=True
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
 
@@ -114,11 +142,16 @@ def scratch_dir() -> str:
 def record(name: str, rows: list[dict], here: str, setup: dict | None = None) -> str:
     """Append ``rows`` to ``name``'s results file, each with this run's command, environment and
     date; returns the file's path."""
-    meta = {"benchmark": name, "run": _RUN,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": command(), "commit": _git("rev-parse", "--short", "HEAD"),
-            "dirty": bool(_git("status", "--porcelain", "--untracked-files=no", "--", "hf_zero3")),
-            "environment": environment(), "setup": setup or {}}
+    meta = {
+        "benchmark": name,
+        "run": _RUN,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": command(),
+        "commit": _git("rev-parse", "--short", "HEAD"),
+        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no", "--", "hf_zero3")),
+        "environment": environment(),
+        "setup": setup or {},
+    }
     path = results_path(name, here)
     with open(path, "a") as f:
         for row in rows:
@@ -168,7 +201,10 @@ def graph_us(calls: list, replays: int) -> tuple[float, list]:
 def table(rows: list[dict], cols: list[str]) -> str:
     """A Markdown table of ``cols`` over ``rows`` (floats to 3 decimals, or 1 from 100)."""
     widths = [max([len(c)] + [len(_fmt(r.get(c))) for r in rows]) for c in cols]
-    line = lambda vals: "| " + " | ".join(v.ljust(w) for v, w in zip(vals, widths)) + " |"
+
+    def line(vals):
+        return "| " + " | ".join(v.ljust(w) for v, w in zip(vals, widths)) + " |"
+
     out = [line(cols), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
     out += [line([_fmt(r.get(c)) for c in cols]) for r in rows]
     return "\n".join(out)

@@ -25,8 +25,17 @@ sys.path.insert(0, HERE)
 from common import load  # noqa: E402
 
 FILES = {"decode": "generation/decode.jsonl", "memory": "memory/memory.jsonl"}
-COLORS = {"hf_zero3": "#d62728", "static": "#1f77b4", "eager": "#7f7f7f", "floor": "black",
-          "plain": "#7f7f7f", "dc_zero3": "#9ecae1", "dc_default": "#1f77b4", "ours": "#d62728", "ours_match": "#ff9896"}
+COLORS = {
+    "hf_zero3": "#d62728",
+    "static": "#1f77b4",
+    "eager": "#7f7f7f",
+    "floor": "black",
+    "plain": "#7f7f7f",
+    "dc_zero3": "#9ecae1",
+    "dc_default": "#1f77b4",
+    "ours": "#d62728",
+    "ours_match": "#ff9896",
+}
 
 
 def _path(name: str, results: str | None) -> str:
@@ -39,16 +48,21 @@ def _caption(rows: list[dict]) -> str:
     hw = f"{len(gpus)}x {gpus[0]}" if gpus else "CPU"
     dates = sorted({r["date"][:10] for r in rows})
     when = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
-    return (f"{hw}, torch {env.get('torch')}, DeepSpeed {env.get('deepspeed')}, "
-            f"transformers {env.get('transformers')}; {when}")
+    return (
+        f"{hw}, torch {env.get('torch')}, DeepSpeed {env.get('deepspeed')}, "
+        f"transformers {env.get('transformers')}; {when}"
+    )
 
 
 def plot_decode(plt, rows: list[dict], out: str) -> str:
     runs = {}
     for r in rows:
         runs.setdefault(r["run"], []).append(r)
-    complete = [rs for rs in runs.values()
-                if {"hf_eager_gathered", "hf_static_gathered", "hf_zero3_graphs"} <= {r["result"]["config"] for r in rs}]
+    complete = [
+        rs
+        for rs in runs.values()
+        if {"hf_eager_gathered", "hf_static_gathered", "hf_zero3_graphs"} <= {r["result"]["config"] for r in rs}
+    ]
     if not complete:
         raise SystemExit("decode.jsonl has no run with hf_eager_gathered, hf_static_gathered and hf_zero3_graphs")
     run = max(complete, key=lambda rs: rs[0]["date"])
@@ -62,26 +76,38 @@ def plot_decode(plt, rows: list[dict], out: str) -> str:
 
     def note(b, y, text, color):  # left of the smallest batch, right of the others
         left = b == batches[0]
-        ax.annotate(text, (b, y), textcoords="offset points", xytext=(-10 if left else 10, 0), fontsize=7.5,
-                    color=color, va="center", ha="right" if left else "left")
+        ax.annotate(
+            text,
+            (b, y),
+            textcoords="offset points",
+            xytext=(-10 if left else 10, 0),
+            fontsize=7.5,
+            color=color,
+            va="center",
+            ha="right" if left else "left",
+        )
 
     floor = series("hf_zero3_graphs", "floor_tok_s")
     ax.plot(batches, floor, "--", color=COLORS["floor"], lw=1.2, label="bandwidth floor (weights read once a step)")
     for b, y in zip(batches, floor):
         note(b, y, f"floor {y / 1e3:.1f}k", COLORS["floor"])
     for config, label, color, marker in (
-            ("hf_zero3_graphs", "hf_zero3 compiled decode loop (defaults)", COLORS["hf_zero3"], "o"),
-            ("hf_static_gathered", "transformers' static cache, model gathered", COLORS["static"], "s"),
-            ("hf_eager_gathered", "HF eager, model gathered (TRL's path)", COLORS["eager"], "^")):
+        ("hf_zero3_graphs", "hf_zero3 compiled decode loop (defaults)", COLORS["hf_zero3"], "o"),
+        ("hf_static_gathered", "transformers' static cache, model gathered", COLORS["static"], "s"),
+        ("hf_eager_gathered", "HF eager, model gathered (TRL's path)", COLORS["eager"], "^"),
+    ):
         ys = series(config)
-        ax.plot(batches, ys, marker=marker, color=color, lw=2 if config == "hf_zero3_graphs" else 1.5, ms=7,
-                label=label)
+        ax.plot(
+            batches, ys, marker=marker, color=color, lw=2 if config == "hf_zero3_graphs" else 1.5, ms=7, label=label
+        )
         for b, y in zip(batches, ys):
             row = next(r for r in res if r["batch"] == b and r["config"] == config)
             text = f"{y / 1e3:.1f}k tok/s"
             if config == "hf_zero3_graphs":
-                text += (f"\n{100 * row['fraction_of_floor']:.1f} % of floor\n"
-                         f"{row['vs_hf_static']:.2f}x static, {row['vs_hf_eager_gathered']:.1f}x eager")
+                text += (
+                    f"\n{100 * row['fraction_of_floor']:.1f} % of floor\n"
+                    f"{row['vs_hf_static']:.2f}x static, {row['vs_hf_eager_gathered']:.1f}x eager"
+                )
             note(b, y, text, color)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
@@ -90,8 +116,11 @@ def plot_decode(plt, rows: list[dict], out: str) -> str:
     ax.set_xlabel("batch (sequences per rank)")
     ax.set_ylabel("decode tokens/s per rank (every row, every step)")
     setup = run[0]["setup"]
-    ax.set_title(f"Rollout decode under ZeRO-3: Llama-3.2-1B shape, bf16, {setup.get('prompt')}-token prompts, "
-                 f"{setup.get('max_new_tokens')} new tokens", fontsize=9.5)
+    ax.set_title(
+        f"Rollout decode under ZeRO-3: Llama-3.2-1B shape, bf16, {setup.get('prompt')}-token prompts, "
+        f"{setup.get('max_new_tokens')} new tokens",
+        fontsize=9.5,
+    )
     ax.grid(True, which="both", alpha=0.25)
     ax.legend(fontsize=8, loc="lower right")
     fig.text(0.01, 0.01, _caption(run) + "; benchmarks/generation/bench_decode.py", fontsize=7, color="#555555")
@@ -112,8 +141,16 @@ MEMORY_SETTINGS = [  # label in the rows -> short label, color key
 
 
 def plot_memory(plt, rows: list[dict], out: str) -> str:
-    default_cfg = [r for r in rows if (r["result"].get("optim", "torch"), r["result"].get("build", "zero_init"),
-                                       r["result"].get("ckpt", "nonreentrant")) == ("torch", "zero_init", "nonreentrant")]
+    default_cfg = [
+        r
+        for r in rows
+        if (
+            r["result"].get("optim", "torch"),
+            r["result"].get("build", "zero_init"),
+            r["result"].get("ckpt", "nonreentrant"),
+        )
+        == ("torch", "zero_init", "nonreentrant")
+    ]
     if not default_cfg:
         raise SystemExit("memory.jsonl has no row of the default configuration")
     world = max(r["setup"].get("world", 1) for r in default_cfg)
@@ -124,8 +161,10 @@ def plot_memory(plt, rows: list[dict], out: str) -> str:
     settings = [s for s in MEMORY_SETTINGS if any(s[0] == k for k, _ in newest)]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.6))
     width = 0.8 / len(settings)
-    for ax, key, ylabel in ((axes[0], "peak_alloc_gib", "peak allocated memory per GPU (GiB)"),
-                            (axes[1], "median_step_s", "step time (s), median of the later steps")):
+    for ax, key, ylabel in (
+        (axes[0], "peak_alloc_gib", "peak allocated memory per GPU (GiB)"),
+        (axes[1], "median_step_s", "step time (s), median of the later steps"),
+    ):
         top = max((r["result"].get(key) or 0) for r in newest.values())
         for i, (label, short, color) in enumerate(settings):
             for j, cap in enumerate(caps):
@@ -137,13 +176,34 @@ def plot_memory(plt, rows: list[dict], out: str) -> str:
                 val = res.get(key)
                 shared = (res.get("concurrent_jobs") or 1) > 1
                 if val is None or not str(res.get("status", "")).startswith("trained"):
-                    ax.text(x, top * 0.02, "OOM" if "OOM" in str(res.get("status")) else "failed", rotation=90,
-                            ha="center", va="bottom", fontsize=8, color=COLORS[color], fontweight="bold")
+                    ax.text(
+                        x,
+                        top * 0.02,
+                        "OOM" if "OOM" in str(res.get("status")) else "failed",
+                        rotation=90,
+                        ha="center",
+                        va="bottom",
+                        fontsize=8,
+                        color=COLORS[color],
+                        fontweight="bold",
+                    )
                     continue
-                ax.bar(x, val, width * 0.92, color=COLORS[color], hatch="//" if shared else None,
-                       edgecolor="white" if shared else None)
-                ax.text(x, val, f"{val:.2f}" if key == "peak_alloc_gib" else f"{val:.3f}", ha="center", va="bottom",
-                        fontsize=6.5)
+                ax.bar(
+                    x,
+                    val,
+                    width * 0.92,
+                    color=COLORS[color],
+                    hatch="//" if shared else None,
+                    edgecolor="white" if shared else None,
+                )
+                ax.text(
+                    x,
+                    val,
+                    f"{val:.2f}" if key == "peak_alloc_gib" else f"{val:.3f}",
+                    ha="center",
+                    va="bottom",
+                    fontsize=6.5,
+                )
         ax.set_xticks(range(len(caps)), ["uncapped" if c == "none" else f"capped at {float(c):g} GiB" for c in caps])
         ax.set_ylabel(ylabel)
         ax.set_ylim(0, top * 1.15)
@@ -154,17 +214,41 @@ def plot_memory(plt, rows: list[dict], out: str) -> str:
                     ax.hlines(float(cap), j - 0.45, j + 0.45, colors="black", linestyles="--", lw=1)
                     ax.text(j + 0.45, float(cap), "cap", ha="right", va="bottom", fontsize=7)
     if any((r["result"].get("concurrent_jobs") or 1) > 1 for r in newest.values()):
-        axes[1].text(0.99, 0.98, "hatched: measured with another job on the GPUs", transform=axes[1].transAxes,
-                     ha="right", va="top", fontsize=7, color="#555555")
+        axes[1].text(
+            0.99,
+            0.98,
+            "hatched: measured with another job on the GPUs",
+            transform=axes[1].transAxes,
+            ha="right",
+            va="top",
+            fontsize=7,
+            color="#555555",
+        )
     from matplotlib.patches import Patch
 
-    fig.legend([Patch(color=COLORS[color]) for _, _, color in settings], [short.replace("\n", " ") for _, short, _ in settings],
-               loc="upper center", bbox_to_anchor=(0.5, 0.93), ncol=len(settings), fontsize=7.5, frameon=False)
-    fig.suptitle(f"ZeRO-3 training step: Llama-3.2-1B shape, bs 1 x 512, bf16, torch Adam, activation checkpointing, "
-                 f"{world} rank{'s' if world > 1 else ''}", fontsize=10, y=0.985)
+    fig.legend(
+        [Patch(color=COLORS[color]) for _, _, color in settings],
+        [short.replace("\n", " ") for _, short, _ in settings],
+        loc="upper center",
+        bbox_to_anchor=(0.5, 0.93),
+        ncol=len(settings),
+        fontsize=7.5,
+        frameon=False,
+    )
+    fig.suptitle(
+        f"ZeRO-3 training step: Llama-3.2-1B shape, bs 1 x 512, bf16, torch Adam, activation checkpointing, "
+        f"{world} rank{'s' if world > 1 else ''}",
+        fontsize=10,
+        y=0.985,
+    )
     runs = len({r["run"] for r in newest.values()})
-    fig.text(0.01, 0.01, _caption(list(newest.values())) + f"; newest row of each cell ({runs} runs); "
-             "benchmarks/memory/bench_memory.py", fontsize=7, color="#555555")
+    fig.text(
+        0.01,
+        0.01,
+        _caption(list(newest.values())) + f"; newest row of each cell ({runs} runs); benchmarks/memory/bench_memory.py",
+        fontsize=7,
+        color="#555555",
+    )
     fig.tight_layout(rect=(0, 0.03, 1, 0.9))
     path = os.path.join(out, "memory.png")
     fig.savefig(path, dpi=150)

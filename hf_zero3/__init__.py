@@ -49,8 +49,19 @@ def patching():
     return scope()
 
 
-_SUBMODULES = ("trl", "testing", "compile", "generation", "trainer", "accelerate", "agree", "runtime", "zero3",
-               "gathering", "errors")
+_SUBMODULES = (
+    "trl",
+    "testing",
+    "compile",
+    "generation",
+    "trainer",
+    "accelerate",
+    "agree",
+    "runtime",
+    "zero3",
+    "gathering",
+    "errors",
+)
 
 
 def __getattr__(name):

@@ -46,19 +46,29 @@ def load(verbose: bool = False):
         if module is None:
             src = CSRC / "gate.cpp"
             if not src.exists():
-                reason = (f"{src} is missing (not a source checkout) and hf_zero3._gate was not "
-                          f"prebuilt; reinstall with HF_ZERO3_BUILD_EXT=1 pip install --no-build-isolation .")
+                reason = (
+                    f"{src} is missing (not a source checkout) and hf_zero3._gate was not "
+                    f"prebuilt; reinstall with HF_ZERO3_BUILD_EXT=1 pip install --no-build-isolation ."
+                )
             else:
                 try:
                     from torch.utils.cpp_extension import load as jit_load
 
                     flags = ["-O2"] + (["-DHF_ZERO3_WITH_CUDA"] if with_cuda else [])
-                    module = jit_load(name="hf_zero3_gate" + ("" if with_cuda else "_cpu"), sources=[str(src)],
-                                      extra_cflags=flags, with_cuda=with_cuda, verbose=verbose)
+                    module = jit_load(
+                        name="hf_zero3_gate" + ("" if with_cuda else "_cpu"),
+                        sources=[str(src)],
+                        extra_cflags=flags,
+                        with_cuda=with_cuda,
+                        verbose=verbose,
+                    )
                 except Exception as exc:  # compiler, ninja or CUDA toolkit missing
                     reason = f"building {src} failed: {type(exc).__name__}: {exc}"
-                    warnings.warn(f"hf_zero3: native prefetch gate unavailable, using the PyTorch "
-                                  f"fallback ({reason})", RuntimeWarning, stacklevel=2)
+                    warnings.warn(
+                        f"hf_zero3: native prefetch gate unavailable, using the PyTorch fallback ({reason})",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
     _state["module"], _state["reason"] = module, reason
     return module
 

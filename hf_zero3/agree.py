@@ -44,14 +44,13 @@ import torch
 
 from .errors import RankDivergenceError, RankFailure, builtin_base, rank_failure_type
 
-__all__ = ["Tag", "agree", "all_max", "all_min", "all_equal", "host_group", "group_ranks", "SMALL",
-           "TIMEOUT_ENV"]
+__all__ = ["Tag", "agree", "all_max", "all_min", "all_equal", "host_group", "group_ranks", "SMALL", "TIMEOUT_ENV"]
 
 MAGIC = 0x687A33  # "hz3"
 PROTOCOL = 1
-SMALL = 5            # values carried in the fixed-size all-reduce; more go in a second one
+SMALL = 5  # values carried in the fixed-size all-reduce; more go in a second one
 DETAIL_BYTES = 4096  # per rank, error paths only
-ERROR_CHARS = 1500   # of a failing rank's message: the tag and the error type always fit
+ERROR_CHARS = 1500  # of a failing rank's message: the tag and the error type always fit
 TIMEOUT_ENV = "HF_ZERO3_AGREE_TIMEOUT"
 
 _HOST_GROUPS: dict[tuple, Any] = {}
@@ -77,8 +76,7 @@ class Tag:
         return f"'{self.op}' (call {self.counter}{', ' + opts if opts else ''})"
 
     def to_json(self) -> dict:
-        return {"op": self.op, "options": {k: _jsonable(v) for k, v in self.options.items()},
-                "counter": self.counter}
+        return {"op": self.op, "options": {k: _jsonable(v) for k, v in self.options.items()}, "counter": self.counter}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -166,20 +164,25 @@ def host_group(group=None):
     with _HOST_LOCK:
         if key not in _HOST_GROUPS:
             try:
-                _HOST_GROUPS[key] = dist.new_group(list(ranks), backend="gloo", timeout=_timeout(group),
-                                                   use_local_synchronization=True)
+                _HOST_GROUPS[key] = dist.new_group(
+                    list(ranks), backend="gloo", timeout=_timeout(group), use_local_synchronization=True
+                )
             except Exception as exc:  # a torch built without gloo: agree over the group itself
                 import warnings
 
-                warnings.warn(f"hf_zero3: no gloo group for agreements ({exc}); agreeing over the group's own "
-                              "backend, which waits for the GPU and shares the group's collective order",
-                              RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"hf_zero3: no gloo group for agreements ({exc}); agreeing over the group's own "
+                    "backend, which waits for the GPU and shares the group's collective order",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
                 _HOST_GROUPS[key] = group
         return _HOST_GROUPS[key]
 
 
-def agree(tag: Tag, group=None, values: Sequence[int] = (), *, error: BaseException | None = None,
-          record: bool = False) -> list[int]:
+def agree(
+    tag: Tag, group=None, values: Sequence[int] = (), *, error: BaseException | None = None, record: bool = False
+) -> list[int]:
     """Element-wise maximum of integer ``values`` over ``group``, after checking that every rank is
     in the same operation (``tag``) and that none failed.
 
@@ -209,7 +212,7 @@ def agree(tag: Tag, group=None, values: Sequence[int] = (), *, error: BaseExcept
     if out[2] or out[0] != -out[1]:  # a rank failed, or the ranks are not in the same agreement
         _raise_shared(tag, error, ranks, hg, timeout)
     if small:
-        result = out[3:3 + len(vals)]
+        result = out[3 : 3 + len(vals)]
     else:
         big = torch.tensor(vals, dtype=torch.int64)
         _wait(dist.all_reduce(big, op=dist.ReduceOp.MAX, group=hg, async_op=True), timeout, tag, ranks)
@@ -233,7 +236,7 @@ def _raise_shared(tag: Tag, error, ranks, hg, timeout) -> None:
         detail["base"] = builtin_base(type(error))
     raw = json.dumps(detail).encode()[:DETAIL_BYTES]
     buf = torch.zeros(DETAIL_BYTES, dtype=torch.uint8)
-    buf[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    buf[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
     bufs = [torch.zeros_like(buf) for _ in ranks]
     _wait(dist.all_gather(bufs, buf, group=hg, async_op=True), timeout, tag, ranks)
     details = {}
@@ -249,9 +252,11 @@ def _raise_shared(tag: Tag, error, ranks, hg, timeout) -> None:
         failures = {r: details[r].get("error", "failed") for r in failed}
         bases = {details[r].get("base", "RuntimeError") for r in failed}
         where = "; ".join(f"rank {r} in {tags[r].describe()}: {failures[r]}" for r in failed)
-        msg = (f"hf_zero3: rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} of the group "
-               f"(ranks {list(ranks)}) failed, so every rank of the group raises this error instead of "
-               f"waiting: {where}")
+        msg = (
+            f"hf_zero3: rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} of the group "
+            f"(ranks {list(ranks)}) failed, so every rank of the group raises this error instead of "
+            f"waiting: {where}"
+        )
         try:
             exc = rank_failure_type(bases.pop() if len(bases) == 1 else "RuntimeError")(msg, tag.op, failures)
         except TypeError:  # a builtin whose constructor takes more than a message (UnicodeDecodeError)
@@ -273,13 +278,17 @@ def _divergence_message(tags: dict, ranks) -> str:
         if len({repr(t.options.get(k)) for t in tags.values()}) > 1:
             fields.append(k)
     where = "; ".join(f"rank {r} is in {t.describe()}" for r, t in tags.items())
-    hint = ("an hf_zero3 operation (generate, an eval region, a TRL generation round) ran on some ranks "
-            "only, or with options that differ per rank")
+    hint = (
+        "an hf_zero3 operation (generate, an eval region, a TRL generation round) ran on some ranks "
+        "only, or with options that differ per rank"
+    )
     if fields and all(f not in ("operation", "call count") for f in fields):
         hint = f"pass the same {', '.join(fields)} on every rank"
-    return (f"hf_zero3: the ranks {list(ranks)} of a ZeRO-3 group are out of step at {first.op!r} (nothing was "
-            f"gathered yet): {where}. They differ in: {', '.join(fields) or 'the agreement size'}. Every rank must "
-            f"run the same hf_zero3 operations in the same order; {hint}.")
+    return (
+        f"hf_zero3: the ranks {list(ranks)} of a ZeRO-3 group are out of step at {first.op!r} (nothing was "
+        f"gathered yet): {where}. They differ in: {', '.join(fields) or 'the agreement size'}. Every rank must "
+        f"run the same hf_zero3 operations in the same order; {hint}."
+    )
 
 
 # --- positions, for naming a rank that never arrives --------------------------------------------
@@ -294,8 +303,7 @@ def _record_position(ranks, tag: Tag) -> None:
         from ._upstream.torch import default_store
 
         dist = _dist()
-        default_store().set(_position_key(ranks, dist.get_rank()),
-                            json.dumps({**tag.to_json(), "time": time.time()}))
+        default_store().set(_position_key(ranks, dist.get_rank()), json.dumps({**tag.to_json(), "time": time.time()}))
     except Exception:  # diagnostics only: never fail an agreement over them
         pass
 
@@ -320,10 +328,12 @@ def _missing_message(tag: Tag, ranks, exc, waited: float) -> str:
                 lines.append(f"rank {r} has not reached any hf_zero3 agreement yet")
     except Exception:
         lines.append("the other ranks' positions could not be read")
-    return (f"hf_zero3: rank {me} waited {waited:.0f} s in {tag.describe()} for the "
-            f"other ranks of {list(ranks)}; {'; '.join(lines)}. A rank that skipped this call (main-process-only "
-            f"generate, an extra call on one rank) or is stuck in another collective never arrives; "
-            f"raise {TIMEOUT_ENV} if a rank is legitimately slower. ({type(exc).__name__}: {exc})")
+    return (
+        f"hf_zero3: rank {me} waited {waited:.0f} s in {tag.describe()} for the "
+        f"other ranks of {list(ranks)}; {'; '.join(lines)}. A rank that skipped this call (main-process-only "
+        f"generate, an extra call on one rank) or is stuck in another collective never arrives; "
+        f"raise {TIMEOUT_ENV} if a rank is legitimately slower. ({type(exc).__name__}: {exc})"
+    )
 
 
 # --- the plain reductions every decision uses ----------------------------------------------------

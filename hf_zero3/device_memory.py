@@ -50,5 +50,10 @@ def read_cuda_memory(device: int | torch.device | None = None) -> MemoryState:
     if not isinstance(device, torch.device):
         device = torch.device("cuda", int(device))
     free, total = torch.cuda.mem_get_info(device)
-    return MemoryState(torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device), free, total,
-                       cuda_memory_fraction(device))
+    return MemoryState(
+        torch.cuda.memory_allocated(device),
+        torch.cuda.memory_reserved(device),
+        free,
+        total,
+        cuda_memory_fraction(device),
+    )

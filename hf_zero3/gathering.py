@@ -31,8 +31,17 @@ from ._upstream import deepspeed as ds_up
 from ._upstream import torch as torch_up
 from .runtime import runtime_of
 
-__all__ = ["GatherPlan", "gathered_forwards", "active_plan", "free_bytes", "GATHER_MODES",
-           "eval_forward", "open_eval_region", "close_eval_region", "EvalGatherMixin"]
+__all__ = [
+    "GatherPlan",
+    "gathered_forwards",
+    "active_plan",
+    "free_bytes",
+    "GATHER_MODES",
+    "eval_forward",
+    "open_eval_region",
+    "close_eval_region",
+    "EvalGatherMixin",
+]
 
 GATHER_MODES = ("auto", "all", "layerwise")
 LAYER_HOOKS = ("auto", "deepspeed", "hf_zero3")
@@ -106,7 +115,8 @@ def _decide(rt, model: nn.Module, mode: str, layer_hooks: str, op: str, group) -
         raise RuntimeError(
             "hf_zero3: the model's parameters are already gathered on some ranks of its group but not on "
             "others; a region cannot start from that state. Enter GatheredParameters (or TRL's "
-            "unwrap_model_for_generation) on every rank, or on none.")
+            "unwrap_model_for_generation) on every rank, or on none."
+        )
     if held_max:
         strategy = "held"
     elif mode == "all" or (mode == "auto" and -neg_fits_min == 1):
@@ -117,8 +127,9 @@ def _decide(rt, model: nn.Module, mode: str, layer_hooks: str, op: str, group) -
 
 
 @contextlib.contextmanager
-def gathered_forwards(model_or_engine, mode: str = "auto", group=None,
-                      layer_hooks: str = "auto", op: str = "region") -> Iterator[GatherPlan]:
+def gathered_forwards(
+    model_or_engine, mode: str = "auto", group=None, layer_hooks: str = "auto", op: str = "region"
+) -> Iterator[GatherPlan]:
     """Within the block, forwards of the model see full parameters on every rank.
 
     Collective: every rank of the model's gather group must enter it together (one tagged

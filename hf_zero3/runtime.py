@@ -5,7 +5,8 @@ open on it, its memory plan, the call counter its agreements are tagged with, an
 the last ``generate()`` (also left on the generating model as ``hf_zero3_last_generate``). It is
 attached explicitly, as the attribute ``hf_zero3_runtime`` on the engine, the module it wraps and
 (for PEFT) the base model that generates, by whichever entry point first sees them (``lockstep``,
-``eval_forward``, ``Zero3Safe``, the memory plan, the TRL adapter). Nothing is found by scanning the heap: a bare module handed to ``deepspeed.initialize``
+``eval_forward``, ``Zero3Safe``, the memory plan, the TRL adapter). Nothing is found by scanning
+the heap: a bare module handed to ``deepspeed.initialize``
 is served through the eager hooks DeepSpeed put on it (:mod:`hf_zero3._upstream.deepspeed`).
 
 A deep-copied or pickled model does not take its runtime along (the copy gets its own on first use).
@@ -40,18 +41,18 @@ class Runtime:
         self._model = weakref.ref(model)
         self._engine = weakref.ref(engine) if engine is not None else None
         self._group: Any = None
-        self.counter = 0                 # call-level agreements so far (tags carry it)
-        self.lockstep = None             # LockstepConfig once lockstep() was applied
-        self.loop = None                 # the running lockstep generate() call's loop state
-        self.last_generate = None        # LockstepStats of the last generate() call
-        self.eval_auto_region = False    # Zero3Safe: the first eval forward opens a region
+        self.counter = 0  # call-level agreements so far (tags carry it)
+        self.lockstep = None  # LockstepConfig once lockstep() was applied
+        self.loop = None  # the running lockstep generate() call's loop state
+        self.last_generate = None  # LockstepStats of the last generate() call
+        self.eval_auto_region = False  # Zero3Safe: the first eval forward opens a region
         self.eval_gather = "auto"
-        self.region = None               # the gathered region open on the model (gathering.Region)
+        self.region = None  # the gathered region open on the model (gathering.Region)
         self.last_eval_plan = None
-        self.memory_plan = None          # MemoryPlanPass bound to this engine
+        self.memory_plan = None  # MemoryPlanPass bound to this engine
         self.memory_plan_config = None
-        self.join = None                 # TRL call alignment: this rank only joins others' calls
-        self._busy = threading.Lock()    # one generate() at a time per model (threads queue)
+        self.join = None  # TRL call alignment: this rank only joins others' calls
+        self._busy = threading.Lock()  # one generate() at a time per model (threads queue)
         self._key: int | None = None
 
     # copies of a model (TRL reference models are deep copies) get their own runtime on first use
@@ -63,8 +64,10 @@ class Runtime:
 
     def __repr__(self) -> str:
         model = self.model
-        return (f"Runtime({type(model).__name__ if model is not None else '<dead>'}, "
-                f"engine={'yes' if self.engine is not None else 'no'}, calls={self.counter})")
+        return (
+            f"Runtime({type(model).__name__ if model is not None else '<dead>'}, "
+            f"engine={'yes' if self.engine is not None else 'no'}, calls={self.counter})"
+        )
 
     # -- what the runtime serves --------------------------------------------------------------
     @property
@@ -128,13 +131,27 @@ class Runtime:
             self.counter += 1
         return agree.Tag(op, {"model": self.model_key(), **options}, self.counter)
 
-    def agree(self, op: str, values=(), *, error: BaseException | None = None, count: bool = True,
-              record: bool | None = None, group=None, **options) -> list[int]:
+    def agree(
+        self,
+        op: str,
+        values=(),
+        *,
+        error: BaseException | None = None,
+        count: bool = True,
+        record: bool | None = None,
+        group=None,
+        **options,
+    ) -> list[int]:
         """A tagged agree-or-raise over ``group`` (default: this model's gather group), see
         :func:`hf_zero3.agree.agree`."""
         tag = self.tag(op, count=count, **options)
-        return agree.agree(tag, group if group is not None else self.group, values, error=error,
-                           record=count if record is None else record)
+        return agree.agree(
+            tag,
+            group if group is not None else self.group,
+            values,
+            error=error,
+            record=count if record is None else record,
+        )
 
     # -- one generate() at a time -------------------------------------------------------------
     def enter(self) -> None:

@@ -16,8 +16,18 @@ from ._upstream import deepspeed as ds_up
 from ._upstream import torch as torch_up
 
 __all__ = [
-    "unwrap", "engine_of", "is_zero3_param", "is_zero3_model", "zero3_params", "gather_group",
-    "group_world_size", "group_ranks", "gather_ranks", "deepcompile_active", "zero3_hooks_suspended", "full_param_bytes",
+    "unwrap",
+    "engine_of",
+    "is_zero3_param",
+    "is_zero3_model",
+    "zero3_params",
+    "gather_group",
+    "group_world_size",
+    "group_ranks",
+    "gather_ranks",
+    "deepcompile_active",
+    "zero3_hooks_suspended",
+    "full_param_bytes",
     "device_of",
 ]
 
@@ -75,7 +85,8 @@ def gather_group(model: nn.Module):
         raise ValueError(
             f"the model's parameters are gathered over {len(groups)} different process groups "
             "(e.g. MoE expert parallelism); hf_zero3 needs one gather group per model. "
-            "Pass group= explicitly with a group that contains every rank of every gather.")
+            "Pass group= explicitly with a group that contains every rank of every gather."
+        )
     return next(iter(groups.values()))
 
 
@@ -127,8 +138,13 @@ def zero3_hooks_suspended(model_or_engine) -> Iterator[bool]:
         yield False
         return
     ids = ds_up.offload_hook_ids(offload)
-    entries = [(hooks, k) for m in ds_up.offload_module(offload).modules()
-               for _name, hooks in ds_up.module_hook_dicts(m) for k in hooks if k in ids]
+    entries = [
+        (hooks, k)
+        for m in ds_up.offload_module(offload).modules()
+        for _name, hooks in ds_up.module_hook_dicts(m)
+        for k in hooks
+        if k in ids
+    ]
     with torch_up.hooks_suspended(entries):
         yield bool(entries)
 

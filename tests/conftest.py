@@ -26,6 +26,7 @@ def pytest_collection_modifyitems(config, items):
         if "gpu" in item.keywords:
             item.add_marker(skip)
 
+
 sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
 
 

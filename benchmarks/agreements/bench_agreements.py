@@ -40,10 +40,11 @@ def _latencies():
     out = {}
     for n_values in (1, 2):
         vals = list(range(n_values))
-        for name, fn in (("raw", lambda: dist.all_reduce(torch.tensor(vals, dtype=torch.int64), group=group)),
-                         ("tagged", lambda: agree(Tag("bench", {"stop": "sync"}, 1, 0), None, vals)),
-                         ("recorded", lambda: agree(Tag("bench", {"stop": "sync"}, 1, 0), None, vals,
-                                                    record=True))):
+        for name, fn in (
+            ("raw", lambda: dist.all_reduce(torch.tensor(vals, dtype=torch.int64), group=group)),
+            ("tagged", lambda: agree(Tag("bench", {"stop": "sync"}, 1, 0), None, vals)),
+            ("recorded", lambda: agree(Tag("bench", {"stop": "sync"}, 1, 0), None, vals, record=True)),
+        ):
             for _ in range(50):
                 fn()
             samples = []
@@ -64,11 +65,15 @@ def _gpu_times():
 
     cuda = torch.cuda.is_available()
     dtype = torch.bfloat16 if cuda else torch.float32
-    cfg = llama_1b_config() if cuda else models.tiny_llama_config(vocab_size=512, hidden_size=64,
-                                                                  intermediate_size=128)
-    ds = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": 1, "bf16": {"enabled": cuda},
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "torch_adam": not cuda}},
-          "zero_optimization": {"stage": 3}, "steps_per_print": 10**9}
+    cfg = llama_1b_config() if cuda else models.tiny_llama_config(vocab_size=512, hidden_size=64, intermediate_size=128)
+    ds = {
+        "train_micro_batch_size_per_gpu": 1,
+        "train_batch_size": 1,
+        "bf16": {"enabled": cuda},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "torch_adam": not cuda}},
+        "zero_optimization": {"stage": 3},
+        "steps_per_print": 10**9,
+    }
     models.ensure_deepspeed_comm()
     model = models.plain_model(cfg, dtype=dtype)
     if cuda:
@@ -99,32 +104,51 @@ def _gpu_times():
         engine.step()
         sync()
         steps.append(time.perf_counter() - t)
-    return dict(generate_s=min(calls[1:]), generate_agreements=stats.agreements + 1,  # + the gather decision
-                step_s=min(steps[1:]), device="cuda" if cuda else "cpu")
+    return dict(
+        generate_s=min(calls[1:]),
+        generate_agreements=stats.agreements + 1,  # + the gather decision
+        step_s=min(steps[1:]),
+        device="cuda" if cuda else "cpu",
+    )
 
 
 def main():
     from hf_zero3.testing import run_ranks
 
     lat = run_ranks(_latencies, 2, timeout=600, pg_timeout=60)[0]
-    times = run_ranks(_gpu_times, 1, backend="nccl" if _cuda() else "gloo", init="deepspeed", timeout=600,
-                      pg_timeout=120)[0]
+    times = run_ranks(
+        _gpu_times, 1, backend="nccl" if _cuda() else "gloo", init="deepspeed", timeout=600, pg_timeout=120
+    )[0]
     extra = lat["tagged_1"] - lat["raw_1"]
     rows = [
-        {"what": "one agreement (1 value)", "raw_us": lat["raw_1"], "tagged_us": lat["tagged_1"],
-         "recorded_us": lat["recorded_1"]},
-        {"what": "one agreement (2 values)", "raw_us": lat["raw_2"], "tagged_us": lat["tagged_2"],
-         "recorded_us": lat["recorded_2"]},
+        {
+            "what": "one agreement (1 value)",
+            "raw_us": lat["raw_1"],
+            "tagged_us": lat["tagged_1"],
+            "recorded_us": lat["recorded_1"],
+        },
+        {
+            "what": "one agreement (2 values)",
+            "raw_us": lat["raw_2"],
+            "tagged_us": lat["tagged_2"],
+            "recorded_us": lat["recorded_2"],
+        },
     ]
     shares = [
-        {"call": f"generate 8x128 ({times['device']})", "seconds": times["generate_s"],
-         "agreements": times["generate_agreements"],
-         "tag_share_pct": 100 * times["generate_agreements"] * extra / 1e6 / times["generate_s"],
-         "agree_share_pct": 100 * times["generate_agreements"] * lat["tagged_1"] / 1e6 / times["generate_s"]},
-        {"call": f"train step bs1x512 eager ZeRO-3 ({times['device']})", "seconds": times["step_s"],
-         "agreements": STEP_AGREEMENTS,
-         "tag_share_pct": 100 * STEP_AGREEMENTS * extra / 1e6 / times["step_s"],
-         "agree_share_pct": 100 * STEP_AGREEMENTS * lat["tagged_1"] / 1e6 / times["step_s"]},
+        {
+            "call": f"generate 8x128 ({times['device']})",
+            "seconds": times["generate_s"],
+            "agreements": times["generate_agreements"],
+            "tag_share_pct": 100 * times["generate_agreements"] * extra / 1e6 / times["generate_s"],
+            "agree_share_pct": 100 * times["generate_agreements"] * lat["tagged_1"] / 1e6 / times["generate_s"],
+        },
+        {
+            "call": f"train step bs1x512 eager ZeRO-3 ({times['device']})",
+            "seconds": times["step_s"],
+            "agreements": STEP_AGREEMENTS,
+            "tag_share_pct": 100 * STEP_AGREEMENTS * extra / 1e6 / times["step_s"],
+            "agree_share_pct": 100 * STEP_AGREEMENTS * lat["tagged_1"] / 1e6 / times["step_s"],
+        },
     ]
     print(table(rows, ["what", "raw_us", "tagged_us", "recorded_us"]))
     print(table(shares, ["call", "seconds", "agreements", "tag_share_pct", "agree_share_pct"]))
@@ -132,8 +156,12 @@ def main():
         r["part"] = "latency"
     for r in shares:
         r["part"] = "share"
-    path = record("agreements", rows + shares, HERE, {"latency_ranks": 2, "latency_backend": "gloo",
-                                                      "calls": CALLS, "device": times["device"]})
+    path = record(
+        "agreements",
+        rows + shares,
+        HERE,
+        {"latency_ranks": 2, "latency_backend": "gloo", "calls": CALLS, "device": times["device"]},
+    )
     print(f"raw rows appended to {path}")
 
 

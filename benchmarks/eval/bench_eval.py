@@ -24,9 +24,9 @@ BATCHES = 16
 
 def rank_main():
     import torch
+    from _deepcompile_workers import batch, build, train_steps
 
     import hf_zero3
-    from _deepcompile_workers import batch, build, train_steps
     from hf_zero3.testing import mark
 
     rows = []
@@ -51,9 +51,15 @@ def rank_main():
                                 engine(input_ids=batch(b, 0, engine.device))
                 torch.cuda.synchronize()
                 dt = time.perf_counter() - t
-            rows.append(dict(engine=label, path="DeepSpeed hooks" if mode == "none" else mode,
-                             seconds=dt, batches=BATCHES,
-                             peak_gib=torch.cuda.max_memory_allocated() / 2**30))
+            rows.append(
+                dict(
+                    engine=label,
+                    path="DeepSpeed hooks" if mode == "none" else mode,
+                    seconds=dt,
+                    batches=BATCHES,
+                    peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+                )
+            )
         del engine
         torch.cuda.empty_cache()
     return rows
@@ -66,8 +72,7 @@ def main():
     if backend != "nccl":
         print("bench_eval needs a CUDA GPU (DeepCompile is CUDA-only); skipped")
         return
-    rows = run_ranks(rank_main, world, backend=backend, init="deepspeed", timeout=560,
-                     pg_timeout=120)[0]
+    rows = run_ranks(rank_main, world, backend=backend, init="deepspeed", timeout=560, pg_timeout=120)[0]
     base = rows[0]["seconds"]
     for r in rows:
         r["vs_plain_zero3"] = base / r["seconds"]

@@ -29,11 +29,15 @@ sys.path.insert(0, os.path.dirname(HERE))
 from common import graph_us, record, table  # noqa: E402
 
 LAYERS, REPLAYS, HEADS, KV, DIM, LENGTH, POS = 16, 20, 32, 8, 64, 192, 128
-SETTINGS = [dict(BLOCK=b, num_warps=w, num_stages=s) for b, w, s in [
-    (64, 4, 2), (64, 4, 3), (32, 4, 3), (128, 4, 2), (64, 2, 2), (32, 2, 3)]]
+SETTINGS = [
+    dict(BLOCK=b, num_warps=w, num_stages=s)
+    for b, w, s in [(64, 4, 2), (64, 4, 3), (32, 4, 3), (128, 4, 2), (64, 2, 2), (32, 2, 3)]
+]
 # programmatic dependent launches (the decode loop's default on Hopper): each call may start while
 # the one before runs, up to its wait (the kernel loads its first cache block before it)
-SETTINGS += [dict(BLOCK=b, num_warps=w, num_stages=s, PDL=True, launch_pdl=True) for b, w, s in [(64, 4, 2), (64, 2, 2)]]
+SETTINGS += [
+    dict(BLOCK=b, num_warps=w, num_stages=s, PDL=True, launch_pdl=True) for b, w, s in [(64, 4, 2), (64, 2, 2)]
+]
 
 
 def _baseline():
@@ -77,9 +81,14 @@ def main():
         v = torch.randn(batch, 1, KV * DIM, generator=g, device=dev, dtype=dt)
         angles = torch.rand(batch, 1, DIM // 2, generator=g, device=dev) * 6
         cos, sin = torch.cat([angles.cos()] * 2, -1).to(dt), torch.cat([angles.sin()] * 2, -1).to(dt)
-        caches = [(torch.randn(batch, KV, LENGTH, DIM, generator=g, device=dev, dtype=dt),
-                   torch.randn(batch, KV, LENGTH, DIM, generator=g, device=dev, dtype=dt),
-                   torch.tensor(POS, device=dev)) for _ in range(LAYERS)]
+        caches = [
+            (
+                torch.randn(batch, KV, LENGTH, DIM, generator=g, device=dev, dtype=dt),
+                torch.randn(batch, KV, LENGTH, DIM, generator=g, device=dev, dtype=dt),
+                torch.tensor(POS, device=dev),
+            )
+            for _ in range(LAYERS)
+        ]
         keep = torch.zeros(batch, 1, 1, LENGTH, dtype=torch.bool, device=dev)
         keep[..., : POS + 1] = True
         if padded:
@@ -95,7 +104,7 @@ def main():
             n.add_(1)
             kc.index_copy_(2, at, ks)
             vc.index_copy_(2, at, vs)
-            return kernel_attention(None, qs, kc, vc, keep, scaling=DIM ** -0.5)[0]
+            return kernel_attention(None, qs, kc, vc, keep, scaling=DIM**-0.5)[0]
 
         step = torch.compile(unfused, fullgraph=True)
 
@@ -105,25 +114,53 @@ def main():
             return step(kc, vc, n, q, k, v, cos, sin, keep)
 
         us, ref = timed(base, LAYERS)
-        rows.append(dict(batch=batch, padded=padded, impl="unfused (compiled rotary + cache writes + kernel)", cfg="",
-                         us=us, ok=True))
+        rows.append(
+            dict(
+                batch=batch,
+                padded=padded,
+                impl="unfused (compiled rotary + cache writes + kernel)",
+                cfg="",
+                us=us,
+                ok=True,
+            )
+        )
         print(json.dumps(rows[-1]), flush=True)
         impls = [("rope_decode_attention", gqa_decode._state["rope_run"])]
         if baseline is not None:
             impls.insert(0, ("baseline rope_decode_attention", baseline._state["rope_run"]))
         for cfg in SETTINGS:
             for impl, run in impls:
+
                 def fused(i, cfg=cfg, run=run):
                     kc, vc, n = caches[i % LAYERS]
-                    return run(q.view(batch, HEADS, DIM), k.view(batch, KV, DIM), v.view(batch, KV, DIM),
-                               cos.view(batch, DIM), sin.view(batch, DIM), kc, vc, n.view(1), keep, 1, DIM ** -0.5,
-                               **cfg)
+                    return run(
+                        q.view(batch, HEADS, DIM),
+                        k.view(batch, KV, DIM),
+                        v.view(batch, KV, DIM),
+                        cos.view(batch, DIM),
+                        sin.view(batch, DIM),
+                        kc,
+                        vc,
+                        n.view(1),
+                        keep,
+                        1,
+                        DIM**-0.5,
+                        **cfg,
+                    )
 
                 try:
                     us, outs = timed(fused, LAYERS)
                 except Exception as exc:  # a setting that does not fit
-                    rows.append(dict(batch=batch, padded=padded, impl=impl, cfg=str(cfg), us=None,
-                                     ok=f"{type(exc).__name__}: {str(exc)[:120]}"))
+                    rows.append(
+                        dict(
+                            batch=batch,
+                            padded=padded,
+                            impl=impl,
+                            cfg=str(cfg),
+                            us=None,
+                            ok=f"{type(exc).__name__}: {str(exc)[:120]}",
+                        )
+                    )
                     continue
                 err = max((a.float() - b.float()).abs().max().item() for a, b in zip(outs, ref))
                 rows.append(dict(batch=batch, padded=padded, impl=impl, cfg=str(cfg), us=us, ok=err <= 2e-2, err=err))
@@ -133,12 +170,24 @@ def main():
     for r in rows:
         base = next(b for b in rows if (b["batch"], b["padded"]) == (r["batch"], r["padded"]) and b["cfg"] == "")
         r["speedup"] = base["us"] / r["us"] if r["us"] else None
-        old = next((b for b in rows if (b["batch"], b["padded"], b["cfg"]) == (r["batch"], r["padded"], r["cfg"])
-                    and b["impl"].startswith("baseline") and b["us"]), None)
+        old = next(
+            (
+                b
+                for b in rows
+                if (b["batch"], b["padded"], b["cfg"]) == (r["batch"], r["padded"], r["cfg"])
+                and b["impl"].startswith("baseline")
+                and b["us"]
+            ),
+            None,
+        )
         r["vs_baseline"] = old["us"] / r["us"] if old and r["us"] and r["cfg"] else None
     print(table(rows, ["batch", "padded", "impl", "cfg", "us", "speedup", "vs_baseline", "ok"]))
-    path = record("attention_probe", rows, HERE, dict(layers=LAYERS, replays=REPLAYS, heads=HEADS, kv_heads=KV,
-                                                      head_dim=DIM, cache_length=LENGTH, position=POS))
+    path = record(
+        "attention_probe",
+        rows,
+        HERE,
+        dict(layers=LAYERS, replays=REPLAYS, heads=HEADS, kv_heads=KV, head_dim=DIM, cache_length=LENGTH, position=POS),
+    )
     print(f"raw rows appended to {path}")
 
 

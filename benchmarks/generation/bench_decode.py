@@ -99,6 +99,7 @@ def rank_main(partial: str):
     import deepspeed
     import torch
     import torch.distributed as dist
+
     import hf_zero3
     from hf_zero3.testing import mark, models, strict_zero3_config
 
@@ -117,8 +118,9 @@ def rank_main(partial: str):
             return hf_zero3.lockstep_generate(engine, gather="layerwise", sync_every=4, **kw)
         if name in OURS:
             steps, every, _ = OURS[name]
-            return hf_zero3.lockstep_generate(engine, gather="all", sync_every=every, decode="compiled",
-                                              graph_steps=steps, **kw)
+            return hf_zero3.lockstep_generate(
+                engine, gather="all", sync_every=every, decode="compiled", graph_steps=steps, **kw
+            )
         # TRL's unwrap_model_for_generation: the whole model gathered and ZeRO-3's hooks off
         # (GatheredParameters + remove_hooks), then transformers' own generate()
         with hf_zero3.eval_forward(engine, gather="all"):
@@ -159,22 +161,35 @@ def rank_main(partial: str):
             dist.all_reduce(tot)
             stats = module.hf_zero3_last_generate if name.startswith("hf_zero3") or name == "layerwise" else None
             ours = stats if name.startswith("hf_zero3") else None  # the static loop's own fields
-            rows.append(dict(batch=batch, config=label, seconds=tot[1].item() / dist.get_world_size(),
-                             seconds_min=tot[2].item() / dist.get_world_size(), seconds_all=times[1:],
-                             useful_tokens=int(tot[0].item()), compile_s=max(0.0, times[0] - median),
-                             decode=getattr(ours, "decode", None), loop=getattr(ours, "loop", None),
-                             graph_steps=getattr(ours, "graph_steps", None),
-                             capture_s=getattr(ours, "graph_capture_s", None),
-                             capture_s_all=captures[1:] if ours is not None else None,
-                             first_call_capture_s=first_capture, graphs_reused=getattr(ours, "graphs_reused", None),
-                             attention=getattr(ours, "attention", None),
-                             fused_projections=getattr(ours, "fused_projections", None),
-                             mlp_kernels=getattr(ours, "mlp_kernels", None), split_k=getattr(ours, "split_k", None),
-                             prefill=getattr(ours, "prefill", None), rope_attention=getattr(ours, "rope_attention", None),
-                             dependent_launches=getattr(ours, "dependent_launches", None),
-                             same_tokens_both_calls=all(torch.equal(outs[0], o) for o in outs[1:]),
-                             forwards=getattr(stats, "forwards", None), compiles=getattr(stats, "compiles", None),
-                             weight_bytes=n_bytes))
+            rows.append(
+                dict(
+                    batch=batch,
+                    config=label,
+                    seconds=tot[1].item() / dist.get_world_size(),
+                    seconds_min=tot[2].item() / dist.get_world_size(),
+                    seconds_all=times[1:],
+                    useful_tokens=int(tot[0].item()),
+                    compile_s=max(0.0, times[0] - median),
+                    decode=getattr(ours, "decode", None),
+                    loop=getattr(ours, "loop", None),
+                    graph_steps=getattr(ours, "graph_steps", None),
+                    capture_s=getattr(ours, "graph_capture_s", None),
+                    capture_s_all=captures[1:] if ours is not None else None,
+                    first_call_capture_s=first_capture,
+                    graphs_reused=getattr(ours, "graphs_reused", None),
+                    attention=getattr(ours, "attention", None),
+                    fused_projections=getattr(ours, "fused_projections", None),
+                    mlp_kernels=getattr(ours, "mlp_kernels", None),
+                    split_k=getattr(ours, "split_k", None),
+                    prefill=getattr(ours, "prefill", None),
+                    rope_attention=getattr(ours, "rope_attention", None),
+                    dependent_launches=getattr(ours, "dependent_launches", None),
+                    same_tokens_both_calls=all(torch.equal(outs[0], o) for o in outs[1:]),
+                    forwards=getattr(stats, "forwards", None),
+                    compiles=getattr(stats, "compiles", None),
+                    weight_bytes=n_bytes,
+                )
+            )
             if rank == 0:  # as it is measured: a run cut short keeps its rows
                 print("measured", rows[-1], flush=True)
                 with open(partial, "a") as f:
@@ -192,8 +207,9 @@ def main():
     partial = os.path.join(scratch_dir(), "decode_partial.jsonl")  # rows as measured: a run cut short keeps them
     if os.path.exists(partial):
         os.remove(partial)
-    rows = run_ranks(rank_main, world, args=(partial,), backend=backend, init="deepspeed", timeout=590,
-                     pg_timeout=120, capture=False)[0]
+    rows = run_ranks(
+        rank_main, world, args=(partial,), backend=backend, init="deepspeed", timeout=590, pg_timeout=120, capture=False
+    )[0]
     bw = float(os.environ.get("BENCH_HBM_TBPS", 4.3)) * 1e12
     for r in rows:
         r["tokens_per_s"] = r["useful_tokens"] / r["seconds"] / world  # per rank, each row up to its length
@@ -208,12 +224,36 @@ def main():
         for r in base.values():
             r["vs_hf_eager_gathered"] = r["tokens_per_s"] / base["hf_eager_gathered"]["tokens_per_s"]
             r["vs_hf_static"] = r["tokens_per_s"] / base["hf_static_gathered"]["tokens_per_s"]
-    setup = dict(world=world, model="llama-3.2-1b-shape", dtype="bf16", max_new_tokens=MAX_NEW, prompt=PROMPT,
-                 batches=BATCHES, reps=REPS, hbm_tbps=bw / 1e12)
+    setup = dict(
+        world=world,
+        model="llama-3.2-1b-shape",
+        dtype="bf16",
+        max_new_tokens=MAX_NEW,
+        prompt=PROMPT,
+        batches=BATCHES,
+        reps=REPS,
+        hbm_tbps=bw / 1e12,
+    )
     path = record("decode", rows, HERE, setup)
     print(setup)
-    print(table(rows, ["batch", "config", "seconds", "tokens_per_s", "step_tokens_per_s", "fraction_of_floor",
-                       "vs_hf_eager_gathered", "vs_hf_static", "compile_s", "graphs_reused", "forwards"]))
+    print(
+        table(
+            rows,
+            [
+                "batch",
+                "config",
+                "seconds",
+                "tokens_per_s",
+                "step_tokens_per_s",
+                "fraction_of_floor",
+                "vs_hf_eager_gathered",
+                "vs_hf_static",
+                "compile_s",
+                "graphs_reused",
+                "forwards",
+            ],
+        )
+    )
     print(f"raw rows appended to {path}")
 
 

@@ -51,11 +51,11 @@ def _targets(mix: str, rank: int):
 
 
 def rank_main(small: bool):
+    import deepspeed
     import torch
     import torch.distributed as dist
     from transformers import StoppingCriteria, StoppingCriteriaList
 
-    import deepspeed
     import hf_zero3
     from hf_zero3.testing import mark, models, strict_zero3_config
 
@@ -71,8 +71,7 @@ def rank_main(small: bool):
     mark("build model")
     t_build = time.perf_counter()
     model = models.zero3_model(cfg, ds, dtype=dtype)
-    engine, *_ = deepspeed.initialize(model=model, config=ds,
-                                      model_parameters=model.parameters())
+    engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
     engine.eval()
     if rank == 0:
         print(f"model built in {time.perf_counter() - t_build:.1f}s", flush=True)
@@ -92,8 +91,7 @@ def rank_main(small: bool):
         targets = _targets(mix, rank)
         g = torch.Generator().manual_seed(rank)
         ids = torch.randint(3, cfg.vocab_size, (BATCH, PROMPT), generator=g).to(dev)
-        kw = dict(input_ids=ids, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0,
-                  eos_token_id=None)
+        kw = dict(input_ids=ids, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0, eos_token_id=None)
         useful = int(targets.sum())
         for name, how in CONFIGS:
             for rep in range(2 if not rows else 1):  # the very first run warms up
@@ -114,9 +112,15 @@ def rank_main(small: bool):
                 dt = time.perf_counter() - t
             tot = torch.tensor([useful, dt * 1e6], dtype=torch.float64, device=dev)
             dist.all_reduce(tot)
-            rows.append(dict(mix=mix, config=name, forwards=counter[0],
-                             seconds=tot[1].item() / 1e6 / dist.get_world_size(),
-                             useful_tokens=int(tot[0].item())))
+            rows.append(
+                dict(
+                    mix=mix,
+                    config=name,
+                    forwards=counter[0],
+                    seconds=tot[1].item() / 1e6 / dist.get_world_size(),
+                    useful_tokens=int(tot[0].item()),
+                )
+            )
             if rank == 0:
                 print("measured", rows[-1], flush=True)
     return rows
@@ -127,25 +131,45 @@ def main():
 
     world, backend = world_and_backend()
     small = backend == "gloo"
-    res = run_ranks(rank_main, world, args=(small,), backend=backend, init="deepspeed",
-                    timeout=560, pg_timeout=120)
+    res = run_ranks(rank_main, world, args=(small,), backend=backend, init="deepspeed", timeout=560, pg_timeout=120)
     rows = res[0]
     for r in rows:
         r["tokens_per_s"] = r["useful_tokens"] / r["seconds"]
-        r["forwards_rank1"] = next(x["forwards"] for x in res[-1]
-                                   if x["mix"] == r["mix"] and x["config"] == r["config"])
+        r["forwards_rank1"] = next(
+            x["forwards"] for x in res[-1] if x["mix"] == r["mix"] and x["config"] == r["config"]
+        )
     for mix in ("short", "straggler"):
         base = {r["config"]: r for r in rows if r["mix"] == mix}
         for r in base.values():
             r["vs_synced_gpus"] = r["tokens_per_s"] / base["synced_gpus"]["tokens_per_s"]
             r["vs_fixed"] = r["tokens_per_s"] / base["fixed"]["tokens_per_s"]
             r["vs_sync4_layerwise"] = r["tokens_per_s"] / base["sync4"]["tokens_per_s"]
-    setup = dict(world=world, backend=backend, model="tiny" if small else "llama-3.2-1b-shape",
-                 max_new_tokens=MAX_NEW, batch_per_rank=BATCH, prompt=PROMPT)
+    setup = dict(
+        world=world,
+        backend=backend,
+        model="tiny" if small else "llama-3.2-1b-shape",
+        max_new_tokens=MAX_NEW,
+        batch_per_rank=BATCH,
+        prompt=PROMPT,
+    )
     path = record("generation", rows, HERE, setup)
     print(setup)
-    print(table(rows, ["mix", "config", "forwards", "forwards_rank1", "seconds", "tokens_per_s",
-                       "vs_synced_gpus", "vs_fixed", "vs_sync4_layerwise"]))
+    print(
+        table(
+            rows,
+            [
+                "mix",
+                "config",
+                "forwards",
+                "forwards_rank1",
+                "seconds",
+                "tokens_per_s",
+                "vs_synced_gpus",
+                "vs_fixed",
+                "vs_sync4_layerwise",
+            ],
+        )
+    )
     print(f"raw rows appended to {path}")
 
 

@@ -29,8 +29,12 @@ from common import graph_us, record, table  # noqa: E402
 COPIES, REPLAYS = 16, 20
 MASKED = os.environ.get("PROBE_MASKED") == "1"
 ROWS = [int(r) for r in os.environ.get("PROBE_ROWS", "8,64").split(",")]  # activation rows measured
-SHAPES = [("qkv", 3072, 2048, False), ("o_proj", 2048, 2048, False), ("gate_up_silu", 8192, 2048, True),
-          ("down", 2048, 8192, False)]
+SHAPES = [
+    ("qkv", 3072, 2048, False),
+    ("o_proj", 2048, 2048, False),
+    ("gate_up_silu", 8192, 2048, True),
+    ("down", 2048, 8192, False),
+]
 
 
 def main():
@@ -62,37 +66,82 @@ def main():
             else:
                 base = torch.compile(lambda x, w: F.linear(x, w), fullgraph=True)
             us, ref = timed(base, args)
-            rows.append(dict(shape=name, rows=m, impl="cublas+inductor", cfg="", us=us, tbps=nbytes / us / 1e6, ok=True))
+            rows.append(
+                dict(shape=name, rows=m, impl="cublas+inductor", cfg="", us=us, tbps=nbytes / us / 1e6, ok=True)
+            )
             print(json.dumps(rows[-1]), flush=True)
             scale = max(r.abs().max().item() for r in ref)
-            for cfg, impl in [(c, "triton") for c in configs] + [(dict(c, EVEN=False), "triton_masked")
-                                                                 for c in (configs if MASKED else [])]:
-                fn = (lambda x, g, u, c=cfg: decode_gemm.gate_up_silu(x, g, u, c)) if pair else \
-                    (lambda x, w, c=cfg: decode_gemm.linear(x, w, c))
+            for cfg, impl in [(c, "triton") for c in configs] + [
+                (dict(c, EVEN=False), "triton_masked") for c in (configs if MASKED else [])
+            ]:
+                fn = (
+                    (lambda x, g, u, c=cfg: decode_gemm.gate_up_silu(x, g, u, c))
+                    if pair
+                    else (lambda x, w, c=cfg: decode_gemm.linear(x, w, c))
+                )
                 try:
                     us, outs = timed(fn, args)
                 except Exception as exc:  # a configuration that does not fit (shared memory)
-                    rows.append(dict(shape=name, rows=m, impl=impl, cfg=str(cfg), us=None, tbps=None,
-                                     ok=f"{type(exc).__name__}: {str(exc)[:120]}"))
+                    rows.append(
+                        dict(
+                            shape=name,
+                            rows=m,
+                            impl=impl,
+                            cfg=str(cfg),
+                            us=None,
+                            tbps=None,
+                            ok=f"{type(exc).__name__}: {str(exc)[:120]}",
+                        )
+                    )
                     continue
                 err = max((a.float() - b.float()).abs().max().item() for a, b in zip(outs, ref))
-                rows.append(dict(shape=name, rows=m, impl=impl, cfg=str(cfg), us=us, tbps=nbytes / us / 1e6,
-                                 ok=err <= 0.02 * max(1.0, scale), err=err))
+                rows.append(
+                    dict(
+                        shape=name,
+                        rows=m,
+                        impl=impl,
+                        cfg=str(cfg),
+                        us=us,
+                        tbps=nbytes / us / 1e6,
+                        ok=err <= 0.02 * max(1.0, scale),
+                        err=err,
+                    )
+                )
                 print(json.dumps(rows[-1]), flush=True)
             # split-K: the kernel alone (its float32 partials' sum folds into the consumer's kernel
             # in a compiled step, so the sum is not timed here; it is checked)
             splits = [] if pair else [c for c in decode_gemm.SPLIT_CONFIGS if k % (c["SPLIT"] * c["BLOCK_K"]) == 0]
-            for cfg, impl in [(c, "triton_split") for c in splits] + [(dict(c, EVEN=False), "triton_split_masked")
-                                                                       for c in (splits if MASKED else [])]:
+            for cfg, impl in [(c, "triton_split") for c in splits] + [
+                (dict(c, EVEN=False), "triton_split_masked") for c in (splits if MASKED else [])
+            ]:
                 try:
                     us, outs = timed(lambda x, w, c=cfg: decode_gemm.linear_split(x, w, c), args)
                 except Exception as exc:
-                    rows.append(dict(shape=name, rows=m, impl=impl, cfg=str(cfg), us=None, tbps=None,
-                                     ok=f"{type(exc).__name__}: {str(exc)[:120]}"))
+                    rows.append(
+                        dict(
+                            shape=name,
+                            rows=m,
+                            impl=impl,
+                            cfg=str(cfg),
+                            us=None,
+                            tbps=None,
+                            ok=f"{type(exc).__name__}: {str(exc)[:120]}",
+                        )
+                    )
                     continue
                 err = max((a.sum(0) - b.float()).abs().max().item() for a, b in zip(outs, ref))
-                rows.append(dict(shape=name, rows=m, impl=impl, cfg=str(cfg), us=us, tbps=nbytes / us / 1e6,
-                                 ok=err <= 0.02 * max(1.0, scale), err=err))
+                rows.append(
+                    dict(
+                        shape=name,
+                        rows=m,
+                        impl=impl,
+                        cfg=str(cfg),
+                        us=us,
+                        tbps=nbytes / us / 1e6,
+                        ok=err <= 0.02 * max(1.0, scale),
+                        err=err,
+                    )
+                )
                 print(json.dumps(rows[-1]), flush=True)
         del weights, ups
         torch.cuda.empty_cache()
@@ -106,11 +155,22 @@ def main():
                 top = min(tried, key=lambda r: r["us"]) if tried else None
                 if top is None and impl != "triton":
                     continue
-                best.append(dict(shape=name, rows=m, impl=impl, cublas_us=base["us"], cublas_tbps=base["tbps"],
-                                 triton_us=top and top["us"], triton_tbps=top and top["tbps"], cfg=top and top["cfg"],
-                                 speedup=top and base["us"] / top["us"]))
-    print(table(best, ["shape", "rows", "impl", "cublas_us", "cublas_tbps", "triton_us", "triton_tbps", "speedup",
-                       "cfg"]))
+                best.append(
+                    dict(
+                        shape=name,
+                        rows=m,
+                        impl=impl,
+                        cublas_us=base["us"],
+                        cublas_tbps=base["tbps"],
+                        triton_us=top and top["us"],
+                        triton_tbps=top and top["tbps"],
+                        cfg=top and top["cfg"],
+                        speedup=top and base["us"] / top["us"],
+                    )
+                )
+    print(
+        table(best, ["shape", "rows", "impl", "cublas_us", "cublas_tbps", "triton_us", "triton_tbps", "speedup", "cfg"])
+    )
     path = record("decode_gemm_probe", best, HERE, dict(copies=COPIES, replays=REPLAYS, rows=ROWS, masked=MASKED))
     print(f"raw rows appended to {path}")
 

@@ -48,6 +48,7 @@ BATCHES = [int(b) for b in os.environ.get("BENCH_BATCHES", "8,64").split(",")]
 def rank_main():
     import deepspeed
     import torch
+
     import hf_zero3
     from hf_zero3.generation import graph_decode as gd
     from hf_zero3.testing import mark, models, strict_zero3_config
@@ -77,8 +78,13 @@ def rank_main():
                     t = time.perf_counter()
                     _call(hf_zero3, engine, ids, every)
                     torch.cuda.synchronize()
-                    emit(what="warmup", variant=variant, batch=batch, seconds=time.perf_counter() - t,
-                         graphs_reused=module.hf_zero3_last_generate.graphs_reused)
+                    emit(
+                        what="warmup",
+                        variant=variant,
+                        batch=batch,
+                        seconds=time.perf_counter() - t,
+                        graphs_reused=module.hf_zero3_last_generate.graphs_reused,
+                    )
                 emit(what="timeline", variant=variant, batch=batch, **_timeline(hf_zero3, engine, ids, every))
         return rows
 
@@ -115,7 +121,7 @@ def rank_main():
                 buf = io.StringIO()
                 pstats.Stats(pr, stream=buf).sort_stats(order).print_stats(n)
                 lines = [ln.strip()[:170] for ln in buf.getvalue().splitlines() if ln.strip()]
-                emit(what=f"host_profile_{order}", batch=batch, top=lines[:n + 6])
+                emit(what=f"host_profile_{order}", batch=batch, top=lines[: n + 6])
             emit(what="prefill_host_ops", batch=batch, **_prefill_ops(hf_zero3, engine, ids))
         return rows
 
@@ -130,6 +136,7 @@ def rank_main():
             torch.cuda.synchronize()
             timers[name] += time.perf_counter() - t
             return out
+
         return wrapper
 
     orig_prefill = gd._prefill  # the prompt's forward (timed alone: synced before and after)
@@ -156,8 +163,12 @@ def rank_main():
     def decode(model, call, input_ids, *a, **k):
         cache = a[-2]["past_key_values"] if len(a) >= 2 else None
         layer = cache.layers[0] if cache is not None else None
-        probe["ptrs"].append((tuple(p.data_ptr() for p in model.parameters()),
-                              getattr(getattr(layer, "keys", None), "data_ptr", lambda: None)()))
+        probe["ptrs"].append(
+            (
+                tuple(p.data_ptr() for p in model.parameters()),
+                getattr(getattr(layer, "keys", None), "data_ptr", lambda: None)(),
+            )
+        )
         return orig_decode(model, call, input_ids, *a, **k)
 
     gd.decode = timed("decode", decode)
@@ -182,18 +193,36 @@ def rank_main():
         torch.cuda.synchronize()
         t = time.perf_counter()
         with torch.no_grad():
-            hf_zero3.lockstep_generate(engine, input_ids=ids, max_new_tokens=MAX_NEW, do_sample=False,
-                                       pad_token_id=0, eos_token_id=None, gather="all", sync_every=8,
-                                       decode="compiled", graph_steps=graph_steps)
+            hf_zero3.lockstep_generate(
+                engine,
+                input_ids=ids,
+                max_new_tokens=MAX_NEW,
+                do_sample=False,
+                pad_token_id=0,
+                eos_token_id=None,
+                gather="all",
+                sync_every=8,
+                decode="compiled",
+                graph_steps=graph_steps,
+            )
         torch.cuda.synchronize()
         total = time.perf_counter() - t
         st = module.hf_zero3_last_generate
         d = dict(timers)
         steady = d.get("decode", 0) - d.get("prefill", 0) - d.get("first_step", 0) - d.get("capture", 0)
-        return dict(total_s=total, outside_loop_s=total - d.get("decode", 0), prefill_s=d.get("prefill"),
-                    first_step_s=d.get("first_step"), capture_s=d.get("capture"),
-                    steady_ms_per_step=1e3 * steady / (MAX_NEW - 2), loop=st.loop, decode=st.decode,
-                    graph_steps=st.graph_steps, compiles=st.compiles, reason=st.loop_reason or st.decode_reason)
+        return dict(
+            total_s=total,
+            outside_loop_s=total - d.get("decode", 0),
+            prefill_s=d.get("prefill"),
+            first_step_s=d.get("first_step"),
+            capture_s=d.get("capture"),
+            steady_ms_per_step=1e3 * steady / (MAX_NEW - 2),
+            loop=st.loop,
+            decode=st.decode,
+            graph_steps=st.graph_steps,
+            compiles=st.compiles,
+            reason=st.loop_reason or st.decode_reason,
+        )
 
     def set_mode(mode):
         torch._dynamo.reset()
@@ -204,7 +233,8 @@ def rank_main():
             torch._inductor.config.coordinate_descent_tuning = True
             opts = {"mode": "max-autotune-no-cudagraphs"}
         gd._compiled_call = lambda cls, dependent=False: gd._COMPILED.setdefault(
-            (cls, dependent), torch.compile(cls.__call__, fullgraph=True, **opts))
+            (cls, dependent), torch.compile(cls.__call__, fullgraph=True, **opts)
+        )
 
     for mode in MODES:
         set_mode(mode)
@@ -233,9 +263,15 @@ def rank_main():
                     a[1] += e.time_range.elapsed_us()
             total_us = sum(v[1] for v in agg.values())
             top = sorted(agg.items(), key=lambda kv: -kv[1][1])[:30]
-            emit(what="kernels", mode=mode, batch=batch, steps=n, gpu_us_per_step=total_us / n,
-                 kernels_per_step=sum(v[0] for v in agg.values()) / n,
-                 top=[(k[:110], v[0] / n, round(v[1] / n, 1)) for k, v in top])
+            emit(
+                what="kernels",
+                mode=mode,
+                batch=batch,
+                steps=n,
+                gpu_us_per_step=total_us / n,
+                kernels_per_step=sum(v[0] for v in agg.values()) / n,
+                top=[(k[:110], v[0] / n, round(v[1] / n, 1)) for k, v in top],
+            )
             # one prefill's kernels against its wall time (GPU-bound or host-bound?)
             probe["prefill"] = True
             generate(batch, ids, 8)
@@ -248,8 +284,12 @@ def rank_main():
             pr.disable()
             buf = io.StringIO()
             pstats.Stats(pr, stream=buf).sort_stats("cumulative").print_stats(45)
-            emit(what="host_profile", mode=mode, batch=batch,
-                 top=[line.strip()[:160] for line in buf.getvalue().splitlines() if line.strip()][:60])
+            emit(
+                what="host_profile",
+                mode=mode,
+                batch=batch,
+                top=[line.strip()[:160] for line in buf.getvalue().splitlines() if line.strip()][:60],
+            )
 
     # addresses across calls: back to back, after a layer-wise forward, after a training step
     probe["ptrs"].clear()
@@ -266,21 +306,36 @@ def rank_main():
     engine.eval()
     generate(8, ids, 8)
     p = probe["ptrs"]
-    emit(what="addresses", calls=["first", "back to back", "after a layer-wise forward", "after a training step"],
-         params_same_as_first=[x[0] == p[0][0] for x in p], cache_same_as_first=[x[1] == p[0][1] for x in p],
-         params_moved=[sum(a != b for a, b in zip(x[0], p[0][0])) for x in p], n_params=len(p[0][0]))
+    emit(
+        what="addresses",
+        calls=["first", "back to back", "after a layer-wise forward", "after a training step"],
+        params_same_as_first=[x[0] == p[0][0] for x in p],
+        cache_same_as_first=[x[1] == p[0][1] for x in p],
+        params_moved=[sum(a != b for a, b in zip(x[0], p[0][0])) for x in p],
+        n_params=len(p[0][0]),
+    )
     return rows
 
 
-_LABELS = (("hf_zero3.generation.lockstep", "_Call", "begin"), ("hf_zero3.generation.lockstep", "_Call", "validated"),
-           ("hf_zero3.generation.lockstep", "_Call", "end"), ("hf_zero3.generation.lockstep", "_Call", "keep_going"),
-           ("hf_zero3.generation.lockstep", "_Call", "finish_loop"), ("hf_zero3.gathering", None, "_decide"),
-           ("hf_zero3.generation.graph_decode", None, "_prefill"), ("hf_zero3.generation.graph_decode", None, "_loop_for"),
-           ("hf_zero3.generation.graph_decode", "_Loop", "start"), ("hf_zero3.generation.graph_decode", "_Loop", "result"),
-           ("hf_zero3.generation.graph_decode", "_Loop", "finished"), ("hf_zero3.generation.graph_decode", "_Runner", "run"),
-           ("hf_zero3.generation.fused_projections", "Fused", "bind"), ("hf_zero3.generation.lockstep", "Zero3GenerationMixin", "generate"),
-           ("hf_zero3.generation.lockstep", "Zero3GenerationMixin", "_sample"), ("deepspeed.runtime.zero.partition_parameters",
-           "GatheredParameters", "__enter__"), ("deepspeed.runtime.zero.partition_parameters", "GatheredParameters", "__exit__"))
+_LABELS = (
+    ("hf_zero3.generation.lockstep", "_Call", "begin"),
+    ("hf_zero3.generation.lockstep", "_Call", "validated"),
+    ("hf_zero3.generation.lockstep", "_Call", "end"),
+    ("hf_zero3.generation.lockstep", "_Call", "keep_going"),
+    ("hf_zero3.generation.lockstep", "_Call", "finish_loop"),
+    ("hf_zero3.gathering", None, "_decide"),
+    ("hf_zero3.generation.graph_decode", None, "_prefill"),
+    ("hf_zero3.generation.graph_decode", None, "_loop_for"),
+    ("hf_zero3.generation.graph_decode", "_Loop", "start"),
+    ("hf_zero3.generation.graph_decode", "_Loop", "result"),
+    ("hf_zero3.generation.graph_decode", "_Loop", "finished"),
+    ("hf_zero3.generation.graph_decode", "_Runner", "run"),
+    ("hf_zero3.generation.fused_projections", "Fused", "bind"),
+    ("hf_zero3.generation.lockstep", "Zero3GenerationMixin", "generate"),
+    ("hf_zero3.generation.lockstep", "Zero3GenerationMixin", "_sample"),
+    ("deepspeed.runtime.zero.partition_parameters", "GatheredParameters", "__enter__"),
+    ("deepspeed.runtime.zero.partition_parameters", "GatheredParameters", "__exit__"),
+)
 
 
 def _variants() -> list[tuple[str, int, dict]]:
@@ -298,9 +353,18 @@ def _call(hf_zero3, engine, ids, sync_every: int = 8) -> None:
     import torch
 
     with torch.no_grad():
-        hf_zero3.lockstep_generate(engine, input_ids=ids, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0,
-                                   eos_token_id=None, gather="all", sync_every=sync_every, decode="compiled",
-                                   graph_steps=8)
+        hf_zero3.lockstep_generate(
+            engine,
+            input_ids=ids,
+            max_new_tokens=MAX_NEW,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+            gather="all",
+            sync_every=sync_every,
+            decode="compiled",
+            graph_steps=8,
+        )
 
 
 @contextlib.contextmanager
@@ -338,6 +402,7 @@ def _timeline(hf_zero3, engine, ids, sync_every: int = 8) -> dict:
         def inner(*a, **k):
             with record_function(f"hz3:{label}"):
                 return fn(*a, **k)
+
         return inner
 
     with _labelled(_LABELS, around):
@@ -349,8 +414,11 @@ def _timeline(hf_zero3, engine, ids, sync_every: int = 8) -> dict:
     events = list(prof.events())
     call = next(e for e in events if e.name == "hz3:call")
     t0, t1 = call.time_range.start, call.time_range.end
-    gpu = sorted((e.time_range.start, e.time_range.end) for e in events
-                 if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    gpu = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in events
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+    )
     busy, gaps, cur = 0.0, [], None
     for s, e in gpu:
         if cur is None:
@@ -387,21 +455,47 @@ def _timeline(hf_zero3, engine, ids, sync_every: int = 8) -> dict:
     big = sorted(gaps, key=lambda g: g[0] - g[1])[:25]
     kernels = _kernels(prof, 1, 24)
     # programmatic dependent launches show as a kernel starting before the one before it ended
-    runs = sorted((e.time_range.start, e.time_range.end) for e in events
-                  if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("hz3:")
-                  and e.time_range.end > e.time_range.start)
+    runs = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in events
+        if e.device_type == torch.autograd.DeviceType.CUDA
+        and not e.name.startswith("hz3:")
+        and e.time_range.end > e.time_range.start
+    )
     overlaps = [prev[1] - nxt[0] for prev, nxt in zip(runs, runs[1:]) if nxt[0] < prev[1]]
-    return dict(call_ms=(t1 - t0) / 1e3, gpu_busy_ms=busy / 1e3, gpu_idle_ms=sum(e - s for s, e in gaps) / 1e3,
-                kernels_overlapping=len(overlaps), kernel_overlap_ms=sum(overlaps) / 1e3,
-                gaps=len(gaps), kernels=kernels["kernels"], top_kernels=kernels["top"], idle_by_phase_ms={k: round(v / 1e3, 3) for k, v in by_label.most_common()},
-                largest=[dict(at_ms=round((s - t0) / 1e3, 3), us=round(e - s), labels=during(s, e, labels, 3),
-                              host=during(s, e, tops, 4)) for s, e in big])
+    return dict(
+        call_ms=(t1 - t0) / 1e3,
+        gpu_busy_ms=busy / 1e3,
+        gpu_idle_ms=sum(e - s for s, e in gaps) / 1e3,
+        kernels_overlapping=len(overlaps),
+        kernel_overlap_ms=sum(overlaps) / 1e3,
+        gaps=len(gaps),
+        kernels=kernels["kernels"],
+        top_kernels=kernels["top"],
+        idle_by_phase_ms={k: round(v / 1e3, 3) for k, v in by_label.most_common()},
+        largest=[
+            dict(
+                at_ms=round((s - t0) / 1e3, 3),
+                us=round(e - s),
+                labels=during(s, e, labels, 3),
+                host=during(s, e, tops, 4),
+            )
+            for s, e in big
+        ],
+    )
 
 
 # transformers' own steps of a generate() call before the decode loop, timed beside ours
-_EVENT_LABELS = _LABELS + tuple(("transformers.generation.utils", "GenerationMixin", name) for name in (
-    "_prepare_generation_config", "_prepare_special_tokens", "_prepare_cache_for_generation",
-    "_get_logits_processor", "_prepare_model_inputs"))
+_EVENT_LABELS = _LABELS + tuple(
+    ("transformers.generation.utils", "GenerationMixin", name)
+    for name in (
+        "_prepare_generation_config",
+        "_prepare_special_tokens",
+        "_prepare_cache_for_generation",
+        "_get_logits_processor",
+        "_prepare_model_inputs",
+    )
+)
 
 
 def _events(hf_zero3, engine, ids, sync_every: int = 8) -> dict:
@@ -429,6 +523,7 @@ def _events(hf_zero3, engine, ids, sync_every: int = 8) -> dict:
                 return fn(*a, **k)
             finally:
                 stamp(f"< {label}")
+
         return inner
 
     with _labelled(_EVENT_LABELS, around):
@@ -443,8 +538,14 @@ def _events(hf_zero3, engine, ids, sync_every: int = 8) -> dict:
     for label, h, ev in stamps:
         host = (h - h0) * 1e3
         gpu = e0.elapsed_time(ev) if ev is not None else None
-        rows.append((label, round(host, 3), None if gpu is None else round(gpu, 3),
-                     None if gpu is None else round(gpu - host, 3)))
+        rows.append(
+            (
+                label,
+                round(host, 3),
+                None if gpu is None else round(gpu, 3),
+                None if gpu is None else round(gpu - host, 3),
+            )
+        )
     return dict(call_ms=rows[-1][1], columns=["stamp", "host_ms", "gpu_ms", "lag_ms"], stamps=rows)
 
 
@@ -477,12 +578,20 @@ def _prefill_ops(hf_zero3, engine, ids) -> dict:
         gd._prefill = own
     prof = seen["prof"]
     table = sorted(prof.key_averages(group_by_input_shape=True), key=lambda e: -e.self_cpu_time_total)[:30]
-    copies = [dict(shapes=str(e.input_shapes)[:160], host_us=round(e.time_range.elapsed_us(), 1),
-                   parent=e.cpu_parent.name[:80] if e.cpu_parent is not None else None)
-              for e in prof.events() if e.name == "aten::copy_"][:40]
-    return dict(host_ms=seen["host_ms"], top=[(e.key[:70], str(e.input_shapes)[:120], e.count,
-                                               round(e.self_cpu_time_total, 1)) for e in table],
-                copies=copies)
+    copies = [
+        dict(
+            shapes=str(e.input_shapes)[:160],
+            host_us=round(e.time_range.elapsed_us(), 1),
+            parent=e.cpu_parent.name[:80] if e.cpu_parent is not None else None,
+        )
+        for e in prof.events()
+        if e.name == "aten::copy_"
+    ][:40]
+    return dict(
+        host_ms=seen["host_ms"],
+        top=[(e.key[:70], str(e.input_shapes)[:120], e.count, round(e.self_cpu_time_total, 1)) for e in table],
+        copies=copies,
+    )
 
 
 def _kernels(prof, n: int, k: int) -> dict:
@@ -494,8 +603,11 @@ def _kernels(prof, n: int, k: int) -> dict:
             agg[e.name][0] += 1
             agg[e.name][1] += e.time_range.elapsed_us()
     top = sorted(agg.items(), key=lambda kv: -kv[1][1])[:k]
-    return dict(gpu_us=sum(v[1] for v in agg.values()) / n, kernels=sum(v[0] for v in agg.values()) / n,
-                top=[(name[:110], c / n, round(us / n, 1)) for name, (c, us) in top])
+    return dict(
+        gpu_us=sum(v[1] for v in agg.values()) / n,
+        kernels=sum(v[0] for v in agg.values()) / n,
+        top=[(name[:110], c / n, round(us / n, 1)) for name, (c, us) in top],
+    )
 
 
 def main():
@@ -505,8 +617,7 @@ def main():
     if backend != "nccl":
         print("profile_decode needs a CUDA GPU; skipped")
         return
-    rows = run_ranks(rank_main, 1, backend=backend, init="deepspeed", timeout=560, pg_timeout=120,
-                     capture=False)[0]
+    rows = run_ranks(rank_main, 1, backend=backend, init="deepspeed", timeout=560, pg_timeout=120, capture=False)[0]
     path = os.path.join(scratch_dir(), "profile_decode.json")
     with open(path, "w") as f:
         json.dump({"command": command(), "environment": environment(), "rows": rows}, f, indent=1, default=str)

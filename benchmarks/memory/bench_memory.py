@@ -40,9 +40,14 @@ from common import llama_1b_config, record, scratch_dir, table, world_and_backen
 
 SETTINGS = ("plain", "dc_default", "ours", "ours_match")  # dc_default also yields the zero3-only row
 AXES = ("optim", "build", "ckpt")
-LABEL = {"plain": "plain ZeRO-3 (eager)", "dc_zero3": "DeepCompile zero3 pass only",
-         "dc_default": "DeepCompile default schedule", "ours": "hf_zero3 plan (budget)",
-         "ours_match": "hf_zero3 plan (match_zero3)", "ours_split": "hf_zero3 plan (budget, coalesce off)"}
+LABEL = {
+    "plain": "plain ZeRO-3 (eager)",
+    "dc_zero3": "DeepCompile zero3 pass only",
+    "dc_default": "DeepCompile default schedule",
+    "ours": "hf_zero3 plan (budget)",
+    "ours_match": "hf_zero3 plan (match_zero3)",
+    "ours_split": "hf_zero3 plan (budget, coalesce off)",
+}
 SEQ = 512
 
 
@@ -54,8 +59,15 @@ def _cell(setting, cap_gib, optim="torch", build="zero_init", ckpt="nonreentrant
     return f"{setting}_{cap_gib}_{optim}_{build}_{ckpt}"
 
 
-def rank_main(setting: str, cap_gib: float, steps: int, progress: str, optim: str = "torch",
-              build: str = "zero_init", ckpt: str = "nonreentrant"):
+def rank_main(
+    setting: str,
+    cap_gib: float,
+    steps: int,
+    progress: str,
+    optim: str = "torch",
+    build: str = "zero_init",
+    ckpt: str = "nonreentrant",
+):
     import deepspeed
     import torch
     import torch.distributed as dist
@@ -66,10 +78,15 @@ def rank_main(setting: str, cap_gib: float, steps: int, progress: str, optim: st
     if cap_gib:
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         torch.cuda.set_per_process_memory_fraction(cap_gib * 2**30 / total)
-    ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-          "train_batch_size": dist.get_world_size(), "bf16": {"enabled": True},
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, **({"torch_adam": True} if optim == "torch" else {})}},
-          "zero_optimization": {"stage": 3}, "steps_per_print": 10**9}
+    ds = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": dist.get_world_size(),
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, **({"torch_adam": True} if optim == "torch" else {})}},
+        "zero_optimization": {"stage": 3},
+        "steps_per_print": 10**9,
+    }
     if setting != "plain":
         ds["compile"] = {"deepcompile": True}
     mark("build")
@@ -96,10 +113,21 @@ def rank_main(setting: str, cap_gib: float, steps: int, progress: str, optim: st
         from hf_zero3.compile.memory_plan import compile_with_memory_plan
 
         reset_counters()
-        planner = compile_with_memory_plan(engine, MemoryPlanConfig(
-            mode="match_zero3" if setting == "ours_match" else "budget", coalesce=setting != "ours_split"))
-    rec = {"setting": setting, "cap_gib": cap_gib, "optim": optim, "build": build, "ckpt": ckpt, "steps": [],
-           "error": None}
+        planner = compile_with_memory_plan(
+            engine,
+            MemoryPlanConfig(
+                mode="match_zero3" if setting == "ours_match" else "budget", coalesce=setting != "ours_split"
+            ),
+        )
+    rec = {
+        "setting": setting,
+        "cap_gib": cap_gib,
+        "optim": optim,
+        "build": build,
+        "ckpt": ckpt,
+        "steps": [],
+        "error": None,
+    }
     path = os.path.join(progress, f"{_cell(setting, cap_gib, optim, build, ckpt)}_rank{rank}.json")
 
     def flush():
@@ -124,16 +152,23 @@ def rank_main(setting: str, cap_gib: float, steps: int, progress: str, optim: st
             torch.cuda.synchronize()
         except torch.OutOfMemoryError as exc:
             msg = str(exc).splitlines()[0]
-            rec["error"] = (f"OOM at step {step} ({phase}): {msg[:msg.find('. GPU') + 1 or None]} "
-                            f"{torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated, "
-                            f"{torch.cuda.memory_reserved() / 2**30:.2f} reserved")
+            rec["error"] = (
+                f"OOM at step {step} ({phase}): {msg[: msg.find('. GPU') + 1 or None]} "
+                f"{torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated, "
+                f"{torch.cuda.memory_reserved() / 2**30:.2f} reserved"
+            )
             flush()
             os._exit(3)  # peers fail in their next collective; the parent reads this file
-        rec["steps"].append({"t": time.perf_counter() - t, "loss": float(loss.item()),
-                             "alloc": torch.cuda.max_memory_allocated(),
-                             "reserved": torch.cuda.max_memory_reserved(),
-                             # cudaMalloc retries after freeing the cache: the cost of running at a cap
-                             "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0)})
+        rec["steps"].append(
+            {
+                "t": time.perf_counter() - t,
+                "loss": float(loss.item()),
+                "alloc": torch.cuda.max_memory_allocated(),
+                "reserved": torch.cuda.max_memory_reserved(),
+                # cudaMalloc retries after freeing the cache: the cost of running at a cap
+                "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
+            }
+        )
         flush()
     if planner is not None:
         from hf_zero3.compile.gate import counters
@@ -158,25 +193,37 @@ def summarize(rec: dict, status: str) -> list[dict]:
 
 def _row(rec: dict, status: str, tail_from: int | None = None) -> dict:
     steps = rec.get("steps", [])
-    row = {"setting": LABEL[rec["setting"]], "cap_gib": rec["cap_gib"] or "none", "status": status,
-           "steps_done": len(steps)}
+    row = {
+        "setting": LABEL[rec["setting"]],
+        "cap_gib": rec["cap_gib"] or "none",
+        "status": status,
+        "steps_done": len(steps),
+    }
     row.update({a: rec.get(a, d) for a, d in zip(AXES, ("torch", "zero_init", "nonreentrant"))})
     if steps:
-        tail = steps[tail_from:] if tail_from is not None and len(steps) > tail_from else steps[len(steps) // 2:]
+        tail = steps[tail_from:] if tail_from is not None and len(steps) > tail_from else steps[len(steps) // 2 :]
         med = statistics.median(s["t"] for s in tail)
-        row.update(peak_alloc_gib=max(s["alloc"] for s in steps) / 2**30,
-                   peak_reserved_gib=max(s["reserved"] for s in steps) / 2**30,
-                   median_step_s=med,
-                   compile_s=sum(s["t"] - med for s in steps + rec.get("compile_first", []) if s["t"] > 3 * med),
-                   final_loss=steps[-1]["loss"], alloc_retries=steps[-1].get("alloc_retries"))
+        row.update(
+            peak_alloc_gib=max(s["alloc"] for s in steps) / 2**30,
+            peak_reserved_gib=max(s["reserved"] for s in steps) / 2**30,
+            median_step_s=med,
+            compile_s=sum(s["t"] - med for s in steps + rec.get("compile_first", []) if s["t"] > 3 * med),
+            final_loss=steps[-1]["loss"],
+            alloc_retries=steps[-1].get("alloc_retries"),
+        )
     gate = rec.get("gate")
     if gate:
         row.update(prefetch_issued=gate["issued"], prefetch_deferred=gate["deferred"])
     plan = rec.get("plan")
     if plan:
-        row.update(planned=f"{plan['prefetched']}/{plan['gathers']}", slots=plan["slots"], persistent=plan["persistent"],
-                   budget_gib=plan["budget"] / 2**30, calibrated=plan.get("calibrated"),
-                   gate_tighten_gib=plan.get("gate_tighten", 0) / 2**30)
+        row.update(
+            planned=f"{plan['prefetched']}/{plan['gathers']}",
+            slots=plan["slots"],
+            persistent=plan["persistent"],
+            budget_gib=plan["budget"] / 2**30,
+            calibrated=plan.get("calibrated"),
+            gate_tighten_gib=plan.get("gate_tighten", 0) / 2**30,
+        )
     return row
 
 
@@ -202,8 +249,11 @@ def main():
         return
     progress = os.path.join(scratch_dir(), "memory_progress")
     os.makedirs(progress, exist_ok=True)
-    cells = list(itertools.product(args.cap, args.optim.split(","), args.build.split(","), args.ckpt.split(","),
-                                   args.settings.split(",")))
+    cells = list(
+        itertools.product(
+            args.cap, args.optim.split(","), args.build.split(","), args.ckpt.split(","), args.settings.split(",")
+        )
+    )
 
     def run_cell(cell):
         cap, optim, build, ckpt, setting = cell
@@ -213,13 +263,23 @@ def main():
         if os.path.exists(rec_path):  # an earlier invocation's record of this cell
             os.remove(rec_path)
         try:
-            run_ranks(rank_main, world, args=(setting, cap, args.steps, progress, optim, build, ckpt), backend=backend,
-                      init="deepspeed", timeout=args.timeout, pg_timeout=60)
+            run_ranks(
+                rank_main,
+                world,
+                args=(setting, cap, args.steps, progress, optim, build, ckpt),
+                backend=backend,
+                init="deepspeed",
+                timeout=args.timeout,
+                pg_timeout=60,
+            )
         except DistributedFailure as exc:
             status = "failed"
             print(str(exc)[-3000:], flush=True)
-        rec = json.load(open(rec_path)) if os.path.exists(rec_path) else {
-            "setting": setting, "cap_gib": cap, "optim": optim, "build": build, "ckpt": ckpt}
+        rec = (
+            json.load(open(rec_path))
+            if os.path.exists(rec_path)
+            else {"setting": setting, "cap_gib": cap, "optim": optim, "build": build, "ckpt": ckpt}
+        )
         if rec.get("error"):
             status = rec["error"]
         out = []
@@ -246,13 +306,44 @@ def main():
             if key(r) in default:
                 r["speed_vs_default"] = default[key(r)]["median_step_s"] / r["median_step_s"]
                 r["peak_vs_default"] = r["peak_alloc_gib"] / default[key(r)]["peak_alloc_gib"]
-    setup = {"world": world, "model": "llama-3.2-1b-shape", "layers": model_config().num_hidden_layers, "seq": SEQ,
-             "micro_batch": 1, "steps": args.steps, "jobs": args.jobs}
+    setup = {
+        "world": world,
+        "model": "llama-3.2-1b-shape",
+        "layers": model_config().num_hidden_layers,
+        "seq": SEQ,
+        "micro_batch": 1,
+        "steps": args.steps,
+        "jobs": args.jobs,
+    }
     path = record("memory", rows, HERE, setup)
-    print(table(rows, ["setting", "cap_gib", "optim", "build", "ckpt", "status", "peak_alloc_gib", "peak_reserved_gib",
-                       "median_step_s", "compile_s", "alloc_retries", "prefetch_deferred", "planned", "persistent",
-                       "gate_tighten_gib", "speed_vs_plain", "speed_vs_default", "peak_vs_plain", "peak_vs_default"]))
+    print(
+        table(
+            rows,
+            [
+                "setting",
+                "cap_gib",
+                "optim",
+                "build",
+                "ckpt",
+                "status",
+                "peak_alloc_gib",
+                "peak_reserved_gib",
+                "median_step_s",
+                "compile_s",
+                "alloc_retries",
+                "prefetch_deferred",
+                "planned",
+                "persistent",
+                "gate_tighten_gib",
+                "speed_vs_plain",
+                "speed_vs_default",
+                "peak_vs_plain",
+                "peak_vs_default",
+            ],
+        )
+    )
     print(f"raw rows appended to {path}")
+
 
 if __name__ == "__main__":
     main()

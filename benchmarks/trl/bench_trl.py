@@ -29,8 +29,12 @@ sys.path.insert(0, os.path.dirname(HERE))
 from common import record, table, world_and_backend  # noqa: E402
 
 MAX_NEW = int(os.environ.get("BENCH_MAX_NEW", 128))
-SETTINGS = [("trl_default", True, False), ("trl_gather_off", False, False),
-            ("zero3safe", True, True), ("zero3safe_gather_off", False, True)]
+SETTINGS = [
+    ("trl_default", True, False),
+    ("trl_gather_off", False, False),
+    ("zero3safe", True, True),
+    ("zero3safe_gather_off", False, True),
+]
 
 
 def _config(cuda: bool, vocab: int):
@@ -40,10 +44,20 @@ def _config(cuda: bool, vocab: int):
         from hf_zero3.testing import models
 
         return models.tiny_qwen2_config(vocab_size=vocab, max_position_embeddings=1024)
-    return Qwen2Config(vocab_size=vocab, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                       num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=2048,
-                       tie_word_embeddings=True, attn_implementation="sdpa", bos_token_id=1, eos_token_id=2,
-                       pad_token_id=0)
+    return Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        attn_implementation="sdpa",
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
 
 
 def _eos_at_class():
@@ -68,8 +82,9 @@ def _eos_at_class():
         targets: list = []
 
         def generate(self, input_ids, **kwargs):
-            processors = LogitsProcessorList([*(kwargs.pop("logits_processor", None) or []),
-                                              ForceEos(self.targets, input_ids.shape[1])])
+            processors = LogitsProcessorList(
+                [*(kwargs.pop("logits_processor", None) or []), ForceEos(self.targets, input_ids.shape[1])]
+            )
             return super().generate(input_ids, logits_processor=processors, **kwargs)
 
     return EosAt
@@ -132,16 +147,35 @@ def grpo_rank(tmpdir: str):
         mark(f"grpo {name}")
         timer = _Timer(sync)
         callbacks = [timer.callback()] + ([hf_zero3.Zero3Safe()] if fixed else [])
-        args = GRPOConfig(output_dir=f"{tmpdir}/{name}", use_cpu=not cuda, bf16=cuda, deepspeed=trainer_zero3_config(),
-                          per_device_train_batch_size=8, num_generations=8, max_completion_length=MAX_NEW,
-                          max_steps=3, report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True,
-                          ds3_gather_for_generation=gather, seed=0)
+        args = GRPOConfig(
+            output_dir=f"{tmpdir}/{name}",
+            use_cpu=not cuda,
+            bf16=cuda,
+            deepspeed=trainer_zero3_config(),
+            per_device_train_batch_size=8,
+            num_generations=8,
+            max_completion_length=MAX_NEW,
+            max_steps=3,
+            report_to=[],
+            save_strategy="no",
+            logging_steps=1,
+            disable_tqdm=True,
+            ds3_gather_for_generation=gather,
+            seed=0,
+        )
         torch.manual_seed(0)
-        model = Qwen2ForCausalLM._from_config(_config(cuda, 151936 if cuda else len(tok)),
-                                              dtype=torch.bfloat16 if cuda else torch.float32)
+        model = Qwen2ForCausalLM._from_config(
+            _config(cuda, 151936 if cuda else len(tok)), dtype=torch.bfloat16 if cuda else torch.float32
+        )
         model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 2
-        trainer = GRPOTrainer(model=model, reward_funcs=length_reward, args=args, train_dataset=_prompts(),
-                              processing_class=tok, callbacks=callbacks)
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=length_reward,
+            args=args,
+            train_dataset=_prompts(),
+            processing_class=tok,
+            callbacks=callbacks,
+        )
         timer.wrap(trainer.model)
         first = {}
         orig_train_step = trainer.training_step
@@ -155,9 +189,18 @@ def grpo_rank(tmpdir: str):
 
         trainer.training_step = training_step
         trainer.train()
-        rows.append(dict(setting=name, gather=gather, zero3safe=fixed, rank=dist.get_rank(),
-                         rollout_tokens_per_s=timer.tokens / timer.gen_s if timer.gen_s else None,
-                         generate_s=timer.gen_s, tokens=timer.tokens, step_s=min(timer.steps[1:])))
+        rows.append(
+            dict(
+                setting=name,
+                gather=gather,
+                zero3safe=fixed,
+                rank=dist.get_rank(),
+                rollout_tokens_per_s=timer.tokens / timer.gen_s if timer.gen_s else None,
+                generate_s=timer.gen_s,
+                tokens=timer.tokens,
+                step_s=min(timer.steps[1:]),
+            )
+        )
         del trainer, model
         if cuda:
             torch.cuda.empty_cache()
@@ -178,8 +221,13 @@ def opsd_rank():
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     _EosAt = _eos_at_class()
     cfg = _config(cuda, 151936 if cuda else 512)
-    ds = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": dist.get_world_size(),
-          "bf16": {"enabled": cuda}, "zero_optimization": {"stage": 3}, "steps_per_print": 10**9}
+    ds = {
+        "train_micro_batch_size_per_gpu": 1,
+        "train_batch_size": dist.get_world_size(),
+        "bf16": {"enabled": cuda},
+        "zero_optimization": {"stage": 3},
+        "steps_per_print": 10**9,
+    }
     models.ensure_deepspeed_comm()
     model = _EosAt._from_config(cfg, dtype=torch.bfloat16 if cuda else torch.float32)
     # row i of rank r ends at step (0.1 + 0.08 i + 0.03 r) x MAX_NEW: the group's last row at ~0.7 x MAX_NEW
@@ -207,8 +255,16 @@ def opsd_rank():
         sync()
         dt = time.perf_counter() - t
         useful = int(batch.attention_mask[:, 64:].sum())
-        rows.append(dict(setting=name, forwards=forwards[0], seconds=dt, useful_tokens=useful,
-                         useful_tokens_per_s=useful / dt, ids=batch.input_ids.cpu().tolist()))
+        rows.append(
+            dict(
+                setting=name,
+                forwards=forwards[0],
+                seconds=dt,
+                useful_tokens=useful,
+                useful_tokens_per_s=useful / dt,
+                ids=batch.input_ids.cpu().tolist(),
+            )
+        )
     rows[1]["same_output"] = rows[0]["ids"] == rows[1]["ids"]
     for r in rows:
         r.pop("ids")
@@ -221,25 +277,35 @@ def main():
     from hf_zero3.testing import run_ranks
 
     world, backend = world_and_backend()
-    setup = dict(world=world, backend=backend, max_new_tokens=MAX_NEW,
-                 model="qwen2-0.5b-shape" if backend == "nccl" else "tiny-qwen2")
+    setup = dict(
+        world=world,
+        backend=backend,
+        max_new_tokens=MAX_NEW,
+        model="qwen2-0.5b-shape" if backend == "nccl" else "tiny-qwen2",
+    )
     rows = []
     if os.environ.get("BENCH_TRL_ONLY") != "opsd":
-        grpo = run_ranks(grpo_rank, world, args=(tempfile.mkdtemp(),), backend=backend, init="deepspeed", timeout=590,
-                         pg_timeout=300)
+        grpo = run_ranks(
+            grpo_rank, world, args=(tempfile.mkdtemp(),), backend=backend, init="deepspeed", timeout=590, pg_timeout=300
+        )
         rows = [dict(r, part="grpo") for rank_rows in grpo for r in rank_rows]
         base = next(r for r in rows if r["setting"] == "trl_default" and r["rank"] == 0)
         for r in rows:
             r["vs_trl_default_tok_s"] = r["rollout_tokens_per_s"] / base["rollout_tokens_per_s"]
             r["vs_trl_default_step"] = base["step_s"] / r["step_s"]
-        print(table(rows, ["setting", "rank", "rollout_tokens_per_s", "step_s", "vs_trl_default_tok_s",
-                           "vs_trl_default_step"]))
+        print(
+            table(
+                rows,
+                ["setting", "rank", "rollout_tokens_per_s", "step_s", "vs_trl_default_tok_s", "vs_trl_default_step"],
+            )
+        )
     opsd = run_ranks(opsd_rank, world, backend=backend, init="deepspeed", timeout=590, pg_timeout=300)[0]
     opsd[1]["speedup"] = opsd[0]["seconds"] / opsd[1]["seconds"]
     print(table(opsd, ["setting", "forwards", "seconds", "useful_tokens_per_s", "speedup", "same_output"]))
     path = record("trl", rows + [dict(r, part="opsd") for r in opsd], HERE, setup)
     print(setup)
     print(f"raw rows appended to {path}")
+
 
 if __name__ == "__main__":
     main()

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 CHECKED = "accelerate 1.15.0, deepspeed 0.19.8"
 
+
 def patch_deepspeed_compile_default_schedule(default_schedule: Callable[[Any], list | None]) -> Callable[[], None]:
     """Give ``DeepSpeedEngine.compile`` a schedule when its caller passes none.
 
@@ -42,8 +43,9 @@ def patch_deepspeed_compile_default_schedule(default_schedule: Callable[[Any], l
     return undo
 
 
-def patch_accelerate_prepare_deepspeed(before: Callable[[Any], Any],
-                                       after: Callable[[Any, Any, Any], None]) -> Callable[[], None]:
+def patch_accelerate_prepare_deepspeed(
+    before: Callable[[Any], Any], after: Callable[[Any, Any, Any], None]
+) -> Callable[[], None]:
     """Run ``before(accelerator)`` ahead of ``Accelerator._prepare_deepspeed`` and
     ``after(accelerator, engine, before's result)`` once the engine exists.
 

@@ -290,9 +290,11 @@ def deepcompile_supported() -> tuple[bool, str]:
     except ImportError as exc:
         return False, f"this DeepSpeed has no DeepCompile ({exc}); pip install 'deepspeed>=0.19.8'"
     if not is_deepcompile_supported():
-        return False, ("DeepCompile runs on CUDA only (DeepSpeed's accelerator here is "
-                       f"{_accelerator_name()!r}, torch {torch.__version__}); train without "
-                       "compile.deepcompile or on a CUDA machine")
+        return False, (
+            "DeepCompile runs on CUDA only (DeepSpeed's accelerator here is "
+            f"{_accelerator_name()!r}, torch {torch.__version__}); train without "
+            "compile.deepcompile or on a CUDA machine"
+        )
     return True, ""
 
 
@@ -354,8 +356,11 @@ def replace_pending_schedule(engine, schedule) -> bool:
 def dc_gather_ops() -> dict:
     """DeepCompile's gather / wait / release ops (FX targets) by kind name."""
     dc = torch.ops.dc
-    return {dc.allgather_param.default: "gather", dc.wait_allgather.default: "wait",
-            dc.release_param.default: "release"}
+    return {
+        dc.allgather_param.default: "gather",
+        dc.wait_allgather.default: "wait",
+        dc.release_param.default: "release",
+    }
 
 
 def dc_prefetch_fused(graph_id: int, params: list, ids: list) -> None:

@@ -42,8 +42,13 @@ def module_has(module: torch.nn.Module, name: str) -> bool:
     """``hasattr(module, name)`` without ``nn.Module.__getattr__``'s failed lookup (it raises, and
     the caller runs this over every module of a model once per generate call): the instance's own
     attributes, its parameter, buffer and submodule tables, and its class."""
-    return (name in module.__dict__ or name in module._parameters or name in module._buffers
-            or name in module._modules or hasattr(type(module), name))
+    return (
+        name in module.__dict__
+        or name in module._parameters
+        or name in module._buffers
+        or name in module._modules
+        or hasattr(type(module), name)
+    )
 
 
 def default_store():
@@ -129,4 +134,3 @@ def hooks_suspended(entries):
             table.clear()
             table.update((k, now[k] if k in now else gone[k]) for k in order if k in now or k in gone)
             table.update((k, fn) for k, fn in now.items() if k not in table)
-

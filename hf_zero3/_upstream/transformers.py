@@ -28,8 +28,16 @@ COMPILE_HOOK = "_valid_auto_compile_criteria"
 #: decode takes it over with hf_zero3's static loop (hf_zero3.generation.graph_decode) and hands
 #: every case that loop cannot do exactly back to it.
 SAMPLE_HOOK = "_sample"
-SAMPLE_PARAMS = ("self", "input_ids", "logits_processor", "stopping_criteria", "generation_config", "synced_gpus",
-                 "streamer", "model_kwargs")
+SAMPLE_PARAMS = (
+    "self",
+    "input_ids",
+    "logits_processor",
+    "stopping_criteria",
+    "generation_config",
+    "synced_gpus",
+    "streamer",
+    "model_kwargs",
+)
 
 
 def register_attention(name: str, attention) -> None:
@@ -72,7 +80,8 @@ def generation_hooks_present() -> None:
         raise RuntimeError(
             f"hf_zero3 lockstep generation needs GenerationMixin.{', '.join(missing)}, which "
             f"transformers {transformers.__version__} no longer has; install a tested release "
-            f"(transformers==5.23.0) or upgrade hf_zero3.")
+            f"(transformers==5.23.0) or upgrade hf_zero3."
+        )
 
 
 def input_length_arg(args: tuple, kwargs: dict) -> int:
@@ -201,8 +210,12 @@ def static_cache_counters_on(cache, device) -> int:
     moved = 0
     for layer in getattr(cache, "layers", None) or ():
         n = vars(layer).get("cumulative_length")
-        if (isinstance(n, torch.Tensor) and n.device.type == "cpu" and n.device != torch.device(device)
-                and not getattr(layer, "is_initialized", False)):
+        if (
+            isinstance(n, torch.Tensor)
+            and n.device.type == "cpu"
+            and n.device != torch.device(device)
+            and not getattr(layer, "is_initialized", False)
+        ):
             layer.cumulative_length = torch.full(n.shape, int(n), dtype=n.dtype, device=device)
             moved += 1
     return moved

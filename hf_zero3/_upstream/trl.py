@@ -58,8 +58,9 @@ def tokenizer_of(trainer):
 def per_rank_draw_trainer(trainer) -> bool:
     """GKD: ``training_step`` draws ``random.random() <= self.lmbda`` on each rank unshared. (Checked
     by class: ``on_init_end`` runs before GKD's ``__init__`` sets ``lmbda``.)"""
-    return any(c.__module__.startswith("trl.experimental.gkd") and c.__name__ == "GKDTrainer"
-               for c in type(trainer).__mro__)
+    return any(
+        c.__module__.startswith("trl.experimental.gkd") and c.__name__ == "GKDTrainer" for c in type(trainer).__mro__
+    )
 
 
 def wrap_module_function(location: tuple[str, str], wrap):
@@ -76,8 +77,15 @@ def wrap_module_function(location: tuple[str, str], wrap):
 #: ``trl.trainer.utils.add_fused_lm_head`` installs an instance ``forward`` named this, closing over
 #: its settings (read by :func:`fused_lm_head_settings`).
 FUSED_FORWARD = "_fused_forward"
-_FUSED_CELLS = ("original_forward", "temperature", "outputs", "final_logit_softcapping", "logit_scale", "text_config",
-                "cast_lm_head_to_fp32")
+_FUSED_CELLS = (
+    "original_forward",
+    "temperature",
+    "outputs",
+    "final_logit_softcapping",
+    "logit_scale",
+    "text_config",
+    "cast_lm_head_to_fp32",
+)
 
 
 def fused_lm_head_settings(model) -> dict | None:
@@ -92,8 +100,10 @@ def fused_lm_head_settings(model) -> dict | None:
     cells = dict(zip(func.__code__.co_freevars, (c.cell_contents for c in func.__closure__)))
     missing = [n for n in _FUSED_CELLS if n not in cells]
     if missing:
-        raise RuntimeError(f"hf_zero3: TRL's fused LM head no longer closes over {missing}; this TRL is newer than "
-                           f"the tested {CHECKED}: upgrade hf_zero3 or turn DeepCompile off for this trainer")
+        raise RuntimeError(
+            f"hf_zero3: TRL's fused LM head no longer closes over {missing}; this TRL is newer than "
+            f"the tested {CHECKED}: upgrade hf_zero3 or turn DeepCompile off for this trainer"
+        )
     s = {n: cells[n] for n in _FUSED_CELLS}
     text_config = s.pop("text_config")
     s["router_aux_loss_coef"] = getattr(text_config, "router_aux_loss_coef", 0.0)

@@ -55,8 +55,10 @@ def check_versions(feature: str = "core") -> list[str]:
             problems.append(f"{pkg} is not installed; pip install '{pkg}>={low}'")
         elif Version(have.split("+")[0]) < Version(low):
             what = "hf_zero3" if feature == "core" else f"hf_zero3's {feature.replace('_', ' ')}"
-            problems.append(f"{what} needs {pkg}>={low} but {pkg} {have} is installed; "
-                            f"pip install -U '{pkg}>={low}' (tested: {TESTED.get(pkg, low)})")
+            problems.append(
+                f"{what} needs {pkg}>={low} but {pkg} {have} is installed; "
+                f"pip install -U '{pkg}>={low}' (tested: {TESTED.get(pkg, low)})"
+            )
     return problems
 
 

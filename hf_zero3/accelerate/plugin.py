@@ -30,12 +30,19 @@ from accelerate.utils import DeepSpeedPlugin
 from hf_zero3._upstream import patches
 from hf_zero3.compile.config import SECTION, ConfigError, MemoryPlanConfig
 
-__all__ = ["Zero3DeepSpeedPlugin", "enable_memory_plan", "disable_memory_plan", "memory_plan_enabled",
-           "resolve_memory_plan_section"]
+__all__ = [
+    "Zero3DeepSpeedPlugin",
+    "enable_memory_plan",
+    "disable_memory_plan",
+    "memory_plan_enabled",
+    "resolve_memory_plan_section",
+]
 
 log = logging.getLogger("hf_zero3.accelerate")
-PATCHES = ("deepspeed.DeepSpeedEngine.compile: default schedule",
-           "accelerate.Accelerator._prepare_deepspeed: memory plan")
+PATCHES = (
+    "deepspeed.DeepSpeedEngine.compile: default schedule",
+    "accelerate.Accelerator._prepare_deepspeed: memory plan",
+)
 
 
 def resolve_memory_plan_section(ds_config: dict, override: MemoryPlanConfig | None = None) -> MemoryPlanConfig:
@@ -82,8 +89,9 @@ def _after_prepare(accelerator, engine, config: MemoryPlanConfig | None) -> None
     runtime_of(engine).memory_plan_config = config
     if plan_applies(engine, config) and not getattr(engine, "is_compiled", False):
         # The DeepSpeed launcher drops the YAML's dynamo settings, so accelerate compiled nothing.
-        log.info("hf_zero3: compiling the DeepCompile engine accelerate left uncompiled (backend=%s)",
-                 config.compile_backend)
+        log.info(
+            "hf_zero3: compiling the DeepCompile engine accelerate left uncompiled (backend=%s)", config.compile_backend
+        )
         engine.compile(backend=config.compile_backend)
 
 
@@ -131,11 +139,15 @@ class Zero3DeepSpeedPlugin(DeepSpeedPlugin):
         elif self.memory_plan is None:
             config = MemoryPlanConfig.from_ds_config(self.deepspeed_config)
         else:
-            raise ConfigError(f"memory_plan must be a MemoryPlanConfig or a dict, got {type(self.memory_plan).__name__}")
+            raise ConfigError(
+                f"memory_plan must be a MemoryPlanConfig or a dict, got {type(self.memory_plan).__name__}"
+            )
         self._hf_zero3_config = config
         resolve_memory_plan_section(self.deepspeed_config, config)
         if _wants_plan(self.deepspeed_config) and config.enabled:
             enable_memory_plan()
         else:
-            log.info("hf_zero3: the DeepSpeed config does not enable DeepCompile ZeRO-3 (or the plan is disabled); "
-                     "no memory plan is installed")
+            log.info(
+                "hf_zero3: the DeepSpeed config does not enable DeepCompile ZeRO-3 (or the plan is disabled); "
+                "no memory plan is installed"
+            )

@@ -12,12 +12,30 @@
 """
 
 from hf_zero3.compile.config import ConfigError, MemoryPlanConfig
-from hf_zero3.compile.planner import (BudgetTooSmallError, GraphProfile, NodeProfile, PlanError, PrefetchPlan,
-                                      plan_persistence, plan_prefetch)
+from hf_zero3.compile.planner import (
+    BudgetTooSmallError,
+    GraphProfile,
+    NodeProfile,
+    PlanError,
+    PrefetchPlan,
+    plan_persistence,
+    plan_prefetch,
+)
 
-__all__ = ["MemoryPlanConfig", "ConfigError", "PlanError", "BudgetTooSmallError", "GraphProfile", "NodeProfile",
-           "PrefetchPlan", "plan_prefetch", "plan_persistence", "apply_memory_plan", "compile_with_memory_plan",
-           "memory_plan_schedule"]
+__all__ = [
+    "MemoryPlanConfig",
+    "ConfigError",
+    "PlanError",
+    "BudgetTooSmallError",
+    "GraphProfile",
+    "NodeProfile",
+    "PrefetchPlan",
+    "plan_prefetch",
+    "plan_persistence",
+    "apply_memory_plan",
+    "compile_with_memory_plan",
+    "memory_plan_schedule",
+]
 
 
 def __getattr__(name):

@@ -44,8 +44,10 @@ class MemoryBudget:
 
     def describe(self) -> str:
         g = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
-        return (f"budget {g(self.budget)} (allocated) = limit {g(self.limit)} - fragmentation {g(self.fragmentation)} - "
-                f"safety {g(self.safety)} - reserved {g(self.reserved)} (non-PyTorch {g(self.non_pytorch)})")
+        return (
+            f"budget {g(self.budget)} (allocated) = limit {g(self.limit)} - fragmentation {g(self.fragmentation)} - "
+            f"safety {g(self.safety)} - reserved {g(self.reserved)} (non-PyTorch {g(self.non_pytorch)})"
+        )
 
 
 def compute_budget(config: MemoryPlanConfig, state: MemoryState, reserved: int = 0) -> MemoryBudget:
@@ -64,7 +66,7 @@ def agree_budget(local: MemoryBudget, group=None) -> MemoryBudget:
     from hf_zero3.agree import Tag, all_max, all_min
 
     lo = all_min([local.budget, local.limit], group, Tag("memory_plan.budget"))
-    hi = all_max([local.non_pytorch, local.fragmentation, local.safety, local.reserved], group,
-                 Tag("memory_plan.budget"))
-    return MemoryBudget(limit=lo[1], non_pytorch=hi[0], fragmentation=hi[1], safety=hi[2], reserved=hi[3],
-                        budget=lo[0])
+    hi = all_max(
+        [local.non_pytorch, local.fragmentation, local.safety, local.reserved], group, Tag("memory_plan.budget")
+    )
+    return MemoryBudget(limit=lo[1], non_pytorch=hi[0], fragmentation=hi[1], safety=hi[2], reserved=hi[3], budget=lo[0])

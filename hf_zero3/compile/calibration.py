@@ -66,9 +66,18 @@ class Decision:
         return int.from_bytes(h.digest(), "little") >> 1
 
 
-def decide(peak_fwd_bwd: int, peak_step: int, projected: int, gate_budget: int,
-           candidates: Sequence[tuple[int, int, float]], persist: bool, *, peak_reserved: int = 0,
-           reserved_limit: int | None = None, planned_fragmentation: int = 0) -> Decision:
+def decide(
+    peak_fwd_bwd: int,
+    peak_step: int,
+    projected: int,
+    gate_budget: int,
+    candidates: Sequence[tuple[int, int, float]],
+    persist: bool,
+    *,
+    peak_reserved: int = 0,
+    reserved_limit: int | None = None,
+    planned_fragmentation: int = 0,
+) -> Decision:
     """The calibration's decision from agreed measurements (a pure function: equal inputs, equal
     decision on every rank). All sizes in the caching allocator's bytes (the plan's units).
 
@@ -100,17 +109,17 @@ def decide(peak_fwd_bwd: int, peak_step: int, projected: int, gate_budget: int,
 class Calibration:
     """Per-plan calibration state; :meth:`MemoryPlanPass.after_step` drives it."""
 
-    steps: int                     # training steps to measure before deciding
-    measured: int = 0              # steps measured since the last compile that planned
-    peak_fwd_bwd: int = 0          # agreed, max over the measured steps
+    steps: int  # training steps to measure before deciding
+    measured: int = 0  # steps measured since the last compile that planned
+    peak_fwd_bwd: int = 0  # agreed, max over the measured steps
     peak_step: int = 0
     peak_reserved: int = 0
     decision: Decision | None = None
-    tighten: int = 0               # current lowering of every gate budget (bytes)
+    tighten: int = 0  # current lowering of every gate budget (bytes)
     planned_since_step: bool = False  # a graph was planned since the last step: skip its peak
     warned: bool = False
-    last_issued: int = 0           # the gate's issued-prefetch count at the last watched step
-    reset_pending: bool = True     # the next training forward starts a new optimizer step's measurement
+    last_issued: int = 0  # the gate's issued-prefetch count at the last watched step
+    reset_pending: bool = True  # the next training forward starts a new optimizer step's measurement
     history: list = field(default_factory=list)  # (agreed fwd/bwd, step, reserved peak, tighten) per step
 
     @property

@@ -25,10 +25,25 @@ __all__ = ["MemoryPlanConfig", "ConfigError", "parse_bytes", "SECTION", "OTHER_E
 SECTION = ("hf_zero3", "memory_plan")
 MODES = ("budget", "match_zero3")
 #: HF_ZERO3_* variables that are not memory-plan fields (so a typo among the rest is caught).
-OTHER_ENV = ("HF_ZERO3_NATIVE", "HF_ZERO3_BUILD_EXT", "HF_ZERO3_PLAN_DUMP", "HF_ZERO3_AGREE_TIMEOUT",
-             "HF_ZERO3_PG_TIMEOUT")
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+OTHER_ENV = (
+    "HF_ZERO3_NATIVE",
+    "HF_ZERO3_BUILD_EXT",
+    "HF_ZERO3_PLAN_DUMP",
+    "HF_ZERO3_AGREE_TIMEOUT",
+    "HF_ZERO3_PG_TIMEOUT",
+)
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*")
 MIN_MEMORY = 1 << 20  # below 1 MiB a "memory limit" is a mistake (e.g. "0.5" meant as a fraction)
 
@@ -56,7 +71,9 @@ def parse_bytes(value: Any, name: str = "max_memory", minimum: int = MIN_MEMORY)
     if number <= 0:
         raise ConfigError(f"{name} must be positive, got {value!r}; {forms}")
     if number != int(number):
-        raise ConfigError(f"{name}={value!r} is {number} bytes, not a whole number (a fraction of the card is not accepted); {forms}")
+        raise ConfigError(
+            f"{name}={value!r} is {number} bytes, not a whole number (a fraction of the card is not accepted); {forms}"
+        )
     if number < minimum:
         raise ConfigError(f"{name}={value!r} is only {int(number)} bytes, below the {minimum}-byte minimum; {forms}")
     return int(number)
@@ -118,43 +135,78 @@ def _backend(value: Any, name: str) -> str:
 class MemoryPlanConfig:
     """Settings of hf_zero3's DeepCompile memory plan (env: ``HF_ZERO3_<FIELD>``)."""
 
-    enabled: bool = field(default=True, metadata={"help": "replace DeepSpeed's prefetch + selective_gather "
-                                                          "with the budgeted plan", "parse": _bool})
-    mode: str = field(default="budget", metadata={
-        "help": "budget: fill the budget with prefetches and persistent parameters by benefit per byte; "
-                "match_zero3: never plan above what the gather/release graph alone peaks at",
-        "parse": _choice(MODES)})
-    max_memory: int | None = field(default=None, metadata={
-        "help": "per-process limit in bytes (or '15GiB'); default: card total x per-process memory fraction",
-        "parse": parse_bytes})
-    safety_margin: float = field(default=0.02, metadata={"help": "fraction of the limit kept free",
-                                                         "parse": _margin})
-    persist: bool = field(default=True, metadata={"help": "also keep the best parameters gathered (budget mode)",
-                                                  "parse": _bool})
-    gate: bool = field(default=True, metadata={"help": "run-time gate: defer a prefetch the agreed headroom "
-                                                       "cannot hold", "parse": _bool})
-    plan_step: int = field(default=0, metadata={
-        "help": "global step whose compile applies the plan; 0 = a single compile, profiled before the "
-                "optimizer's states exist (their size is reserved); DeepSpeed's default uses 5", "parse": _step})
-    calibrate_steps: int = field(default=2, metadata={
-        "help": "training steps after a compile measured before the plan goes past match_zero3's level: their "
-                "real peak (agreed) sets how far the gate may prefetch and what may stay persistent; 0 = trust "
-                "the profile (persistence chosen at compile time)", "parse": _step})
+    enabled: bool = field(
+        default=True,
+        metadata={"help": "replace DeepSpeed's prefetch + selective_gather with the budgeted plan", "parse": _bool},
+    )
+    mode: str = field(
+        default="budget",
+        metadata={
+            "help": "budget: fill the budget with prefetches and persistent parameters by benefit per byte; "
+            "match_zero3: never plan above what the gather/release graph alone peaks at",
+            "parse": _choice(MODES),
+        },
+    )
+    max_memory: int | None = field(
+        default=None,
+        metadata={
+            "help": "per-process limit in bytes (or '15GiB'); default: card total x per-process memory fraction",
+            "parse": parse_bytes,
+        },
+    )
+    safety_margin: float = field(default=0.02, metadata={"help": "fraction of the limit kept free", "parse": _margin})
+    persist: bool = field(
+        default=True, metadata={"help": "also keep the best parameters gathered (budget mode)", "parse": _bool}
+    )
+    gate: bool = field(
+        default=True,
+        metadata={"help": "run-time gate: defer a prefetch the agreed headroom cannot hold", "parse": _bool},
+    )
+    plan_step: int = field(
+        default=0,
+        metadata={
+            "help": "global step whose compile applies the plan; 0 = a single compile, profiled before the "
+            "optimizer's states exist (their size is reserved); DeepSpeed's default uses 5",
+            "parse": _step,
+        },
+    )
+    calibrate_steps: int = field(
+        default=2,
+        metadata={
+            "help": "training steps after a compile measured before the plan goes past match_zero3's level: their "
+            "real peak (agreed) sets how far the gate may prefetch and what may stay persistent; 0 = trust "
+            "the profile (persistence chosen at compile time)",
+            "parse": _step,
+        },
+    )
     max_fuse_bytes: int = field(default=1 << 30, metadata={"help": "largest fused prefetch, bytes", "parse": _fuse})
-    coalesce: bool = field(default=True, metadata={
-        "help": "merge consecutive prefetches into one earlier fused all-gather while the budget holds "
-                "(fewer collective launches per graph)", "parse": _bool})
-    compile_backend: str = field(default="inductor", metadata={
-        "help": "backend for engine.compile when accelerate did not call it (DeepSpeed launcher)",
-        "parse": _backend})
+    coalesce: bool = field(
+        default=True,
+        metadata={
+            "help": "merge consecutive prefetches into one earlier fused all-gather while the budget holds "
+            "(fewer collective launches per graph)",
+            "parse": _bool,
+        },
+    )
+    compile_backend: str = field(
+        default="inductor",
+        metadata={
+            "help": "backend for engine.compile when accelerate did not call it (DeepSpeed launcher)",
+            "parse": _backend,
+        },
+    )
 
     def __post_init__(self):
         for f in fields(self):
             setattr(self, f.name, f.metadata["parse"](getattr(self, f.name), f.name))
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
-                  where: str = "hf_zero3.memory_plan"):
+    def from_dict(
+        cls,
+        values: Mapping[str, Any] | None = None,
+        env: Mapping[str, str] | None = None,
+        where: str = "hf_zero3.memory_plan",
+    ):
         """Config values over ``HF_ZERO3_*`` environment variables over defaults; "auto" = default.
         Every bad value is named by its key (``where``.key) or its environment variable."""
         if values is None:

@@ -9,8 +9,9 @@ The planned graph carries, before its first prefetch, ``hf_zero3::agree_launch``
 ``agree_launch`` measures this rank's drift (allocated memory now, minus what the profile had at
 that point) and takes the group's maximum with one all-reduce,
 so ``launch = [drift, budget]`` is identical on every rank (``budget``: the planned one as the
-memory plan's calibration adjusts it, :func:`launch_budget`, from agreed values only). The all-reduce runs on the host (a
-gloo mirror of the gather group, :func:`host_group`), so it never waits for queued GPU work. ``gated_prefetch`` then issues
+memory plan's calibration adjusts it, :func:`launch_budget`, from agreed values only). The
+all-reduce runs on the host (a gloo mirror of the gather group, :func:`host_group`), so it never
+waits for queued GPU work. ``gated_prefetch`` then issues
 DeepCompile's fused all-gather only when ``window_peak + drift <= budget``: a pure function of
 agreed values, so every rank issues or defers the same prefetches and the NCCL all-gathers keep
 one order. A deferred gather happens at its point of use (DeepCompile's ``allgather_param``).
@@ -29,18 +30,33 @@ import torch
 from hf_zero3 import _ext
 from hf_zero3.device_memory import MemoryState, read_cuda_memory
 
-__all__ = ["decide", "agree_drift", "register_ops", "counters", "reset_counters", "memory_state",
-           "MemoryState", "set_launch_group", "host_group", "set_issue_fn", "local_drift", "native",
-           "launch_budget", "set_adjust", "drifts", "reset_drifts"]
+__all__ = [
+    "decide",
+    "agree_drift",
+    "register_ops",
+    "counters",
+    "reset_counters",
+    "memory_state",
+    "MemoryState",
+    "set_launch_group",
+    "host_group",
+    "set_issue_fn",
+    "local_drift",
+    "native",
+    "launch_budget",
+    "set_adjust",
+    "drifts",
+    "reset_drifts",
+]
 
 _LOCK = threading.Lock()
 _LIB = None
-_GROUPS: dict[int, object] = {}   # graph_id -> gather process group
+_GROUPS: dict[int, object] = {}  # graph_id -> gather process group
 _STATE_FNS: dict[int, Callable[[], "MemoryState"]] = {}  # graph_id -> memory reader (CPU tests)
 # (graph_id, bwd) -> (calibration cap or None, tighten): set from agreed calibration results only
 # (hf_zero3.compile.calibration), so every rank's launch carries the same budget.
 _ADJUST: dict[tuple[int, bool], tuple[int | None, int]] = {}
-_DRIFTS: dict[tuple[int, bool], int] = {}   # (graph_id, bwd) -> largest agreed drift since reset_drifts()
+_DRIFTS: dict[tuple[int, bool], int] = {}  # (graph_id, bwd) -> largest agreed drift since reset_drifts()
 
 
 def _dc_prefetch(graph_id: int, params: list, ids: list) -> None:
@@ -157,8 +173,9 @@ def reset_drifts() -> None:
     _DRIFTS.clear()
 
 
-def _gated_prefetch_impl(graph_id: int, params: list[torch.Tensor], ids: list[int], nbytes: int,
-                         window_peak: int, launch: torch.Tensor) -> None:
+def _gated_prefetch_impl(
+    graph_id: int, params: list[torch.Tensor], ids: list[int], nbytes: int, window_peak: int, launch: torch.Tensor
+) -> None:
     # A launch without data (DeepCompile's profiler may run the graph on meta values) defers.
     ok = launch.device.type != "meta" and launch.numel() == 2 and decide(window_peak, launch.tolist())
     if ok:
@@ -183,8 +200,10 @@ def register_ops() -> None:
         lib.impl("agree_launch", _agree_launch_impl, "CompositeExplicitAutograd")
         torch.library.register_fake("hf_zero3::agree_launch", _agree_launch_fake, lib=lib)
         if not hasattr(torch.ops.hf_zero3, "gated_prefetch"):
-            lib.define("gated_prefetch(int graph_id, Tensor[] params, int[] ids, int nbytes, int window_peak, "
-                       "Tensor launch) -> ()")
+            lib.define(
+                "gated_prefetch(int graph_id, Tensor[] params, int[] ids, int nbytes, int window_peak, "
+                "Tensor launch) -> ()"
+            )
             lib.impl("gated_prefetch", _gated_prefetch_impl, "CompositeExplicitAutograd")
             lib.impl("gated_prefetch", lambda *a: None, "Meta")
         # Nothing consumes gated_prefetch's (absent) output: keep FX's and inductor's dead-code

@@ -29,12 +29,27 @@ import torch
 from hf_zero3.compile.budget import MemoryBudget, agree_budget, compute_budget
 from hf_zero3.compile.calibration import Calibration, Decision, decide
 from hf_zero3.compile.config import ConfigError, MemoryPlanConfig
-from hf_zero3.compile.planner import (GATHER, GraphProfile, PlanError, PrefetchPlan, check_floor, plan_persistence,
-                                      plan_prefetch)
+from hf_zero3.compile.planner import (
+    GATHER,
+    GraphProfile,
+    PlanError,
+    PrefetchPlan,
+    check_floor,
+    plan_persistence,
+    plan_prefetch,
+)
 from hf_zero3.compile.profile import agree_profile, profile_complete, profile_from_deepcompile
 
-__all__ = ["PASS_NAME", "MemoryPlanPass", "memory_plan_schedule", "apply_memory_plan", "compile_with_memory_plan",
-           "pass_contract", "engine_plan_config", "plan_applies"]
+__all__ = [
+    "PASS_NAME",
+    "MemoryPlanPass",
+    "memory_plan_schedule",
+    "apply_memory_plan",
+    "compile_with_memory_plan",
+    "pass_contract",
+    "engine_plan_config",
+    "plan_applies",
+]
 
 log = logging.getLogger("hf_zero3.memory_plan")
 PASS_NAME = "hf_zero3_memory_plan"
@@ -68,7 +83,7 @@ class MemoryPlanPass:
 
     config: MemoryPlanConfig
     engine: object = None
-    runtime: object = None   # whose gather group the agreements use (default: the engine's runtime)
+    runtime: object = None  # whose gather group the agreements use (default: the engine's runtime)
     # Seams for CPU tests, which drive the pass on recorded graphs without CUDA or DeepCompile:
     ops: dict | None = None  # FX target -> node kind (default: DeepCompile's dc ops)
     read_memory: Callable | None = None  # () -> MemoryState (default: this CUDA device)
@@ -104,8 +119,7 @@ class MemoryPlanPass:
         reserved = pending_optimizer_bytes(self.engine) if self.engine is not None else 0
         return agree_budget(compute_budget(self.config, self.memory(), reserved), group)
 
-    def __call__(self, gm, graph_id, graph_order, profiling_results, create_inputs_fn, mem_budget, param_manager,
-                 bwd):
+    def __call__(self, gm, graph_id, graph_order, profiling_results, create_inputs_fn, mem_budget, param_manager, bwd):
         # Dynamo turns a backend exception into a graph break (and a confusing failure later), so
         # a plan error leaves this graph unplanned and is raised by the engine's next forward.
         # Everything that can fail on one rank (planning, its agreements, choosing persistence)
@@ -124,8 +138,9 @@ class MemoryPlanPass:
             try:
                 if isinstance(error, Zero3Error):
                     raise error  # an agreement inside planning shared it with every rank already
-                agree(Tag("memory_plan.graph", {"bwd": bool(bwd)}), self.group(profiling_results[graph_id]),
-                      error=error)
+                agree(
+                    Tag("memory_plan.graph", {"bwd": bool(bwd)}), self.group(profiling_results[graph_id]), error=error
+                )
             except Exception as exc:  # noqa: BLE001
                 log.error("hf_zero3 memory plan failed: %s", exc)
                 self.error = self.error or exc
@@ -141,25 +156,36 @@ class MemoryPlanPass:
         prof = profiling_results[graph_id]
         group = self.group(prof)
         if not profile_complete(prof, bwd):  # DeepCompile agrees completeness across ranks
-            log.warning("hf_zero3 memory plan: graph %s (%s) has an incomplete profile; left unplanned",
-                        graph_id, "bwd" if bwd else "fwd")
+            log.warning(
+                "hf_zero3 memory plan: graph %s (%s) has an incomplete profile; left unplanned",
+                graph_id,
+                "bwd" if bwd else "fwd",
+            )
             return None
         graph = prof.bwd_graph if bwd else prof.fwd_graph
         profile = agree_profile(profile_from_deepcompile(graph, prof, graph_id, bwd, ops=self.ops), group)
         budget = self.budget(group)
         check_floor(profile, budget.limit - budget.safety, budget.reserved)  # raises: no schedule fits
         plan_budget = budget.budget if self.config.mode == "budget" else min(budget.budget, profile.peak)
-        plan = plan_prefetch(profile, plan_budget, max_fuse_bytes=self.config.max_fuse_bytes,
-                             coalesce=self.config.coalesce)
+        plan = plan_prefetch(
+            profile, plan_budget, max_fuse_bytes=self.config.max_fuse_bytes, coalesce=self.config.coalesce
+        )
         from hf_zero3.agree import Tag, all_equal
 
         if not all_equal([plan.fingerprint(), len(plan.slots)], group, Tag("memory_plan.plan")):
-            raise PlanError(f"hf_zero3 memory plan: ranks built different plans for graph {graph_id} from agreed "
-                            f"inputs; refusing to run (the all-gathers would be reordered). Please report this.")
+            raise PlanError(
+                f"hf_zero3 memory plan: ranks built different plans for graph {graph_id} from agreed "
+                f"inputs; refusing to run (the all-gathers would be reordered). Please report this."
+            )
         self.records[(graph_id, bwd)] = PlanRecord(profile, plan, budget)
         chosen = None
-        if (bwd and self.config.persist and self.config.mode == "budget" and self.config.calibrate_steps == 0
-                and _is_last_backward(graph_id, graph_order)):
+        if (
+            bwd
+            and self.config.persist
+            and self.config.mode == "budget"
+            and self.config.calibrate_steps == 0
+            and _is_last_backward(graph_id, graph_order)
+        ):
             chosen = self._choose_persistent(profiling_results, group, budget)
         return profile, plan, budget, group, chosen
 
@@ -168,9 +194,16 @@ class MemoryPlanPass:
         if self.config.gate:
             self._set_gates()
         _dump(profile, plan, budget)
-        log.info("hf_zero3 memory plan graph %s %s: %s; %d of %d gathers prefetched in %d slots, projected peak "
-                 "%.2f GiB", graph_id, "bwd" if bwd else "fwd", budget.describe(), plan.prefetched,
-                 len(profile.gathers()), len(plan.slots), plan.peak / 2**30)
+        log.info(
+            "hf_zero3 memory plan graph %s %s: %s; %d of %d gathers prefetched in %d slots, projected peak %.2f GiB",
+            graph_id,
+            "bwd" if bwd else "fwd",
+            budget.describe(),
+            plan.prefetched,
+            len(profile.gathers()),
+            len(plan.slots),
+            plan.peak / 2**30,
+        )
         if chosen is not None:
             try:  # gm is rewritten already: hand it back whatever happens here
                 self._persist(*chosen, group)
@@ -224,15 +257,20 @@ class MemoryPlanPass:
         need = sum(size_of[d] for d in chosen)
         (room,) = all_min([self.memory().allocatable - need], group, Tag("memory_plan.persist_fits"))
         if room < 0:
-            log.warning("hf_zero3 memory plan: a rank of the group cannot allocate the %.2f GiB chosen to stay "
-                        "gathered (short by %.2f GiB); nothing is made persistent", need / 2**30, -room / 2**30)
+            log.warning(
+                "hf_zero3 memory plan: a rank of the group cannot allocate the %.2f GiB chosen to stay "
+                "gathered (short by %.2f GiB); nothing is made persistent",
+                need / 2**30,
+                -room / 2**30,
+            )
             return
         for ds_id in chosen:
             persist(ds_id)
         self.persistent = chosen
         self.persistent_bytes = sum(size_of[d] for d in chosen)
-        log.info("hf_zero3 memory plan: %d parameters persistent (%.2f GiB)", len(chosen),
-                 self.persistent_bytes / 2**30)
+        log.info(
+            "hf_zero3 memory plan: %d parameters persistent (%.2f GiB)", len(chosen), self.persistent_bytes / 2**30
+        )
 
     # --- calibration (see hf_zero3.compile.calibration) -----------------------------------------
 
@@ -251,9 +289,15 @@ class MemoryPlanPass:
         """(allocated, reserved) peaks since :meth:`before_forward`, in the allocator's units."""
         return torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
 
-    def after_step(self, peak_fwd_bwd: int | None = None, peak_step: int | None = None,
-                   peak_reserved: int | None = None, *, boundary: bool = True,
-                   error: BaseException | None = None) -> Decision | None:
+    def after_step(
+        self,
+        peak_fwd_bwd: int | None = None,
+        peak_step: int | None = None,
+        peak_reserved: int | None = None,
+        *,
+        boundary: bool = True,
+        error: BaseException | None = None,
+    ) -> Decision | None:
         """``engine.step`` returned (or raised ``error``, shared here with every rank): agree this
         optimizer step's peaks over the gather group and calibrate or watch. ``peak_*`` default to
         :attr:`read_peaks` / CUDA's. Steps inside a gradient-accumulation cycle (``boundary``
@@ -292,8 +336,9 @@ class MemoryPlanPass:
                 peak_step, peak_reserved = self.peaks_now()
                 peak_fwd_bwd = peak_step if peak_fwd_bwd is None else peak_fwd_bwd
         group = self.group(None)
-        fb, st, res = all_max([int(peak_fwd_bwd), int(peak_step), int(peak_reserved or 0)], group,
-                              Tag("memory_plan.step"))
+        fb, st, res = all_max(
+            [int(peak_fwd_bwd), int(peak_step), int(peak_reserved or 0)], group, Tag("memory_plan.step")
+        )
         gate_budget = min(r.budget.gate_budget for r in self.records.values())
         issued = self._issued_since_last_step()  # every step, so the flag is this step's
         decision = None
@@ -311,13 +356,22 @@ class MemoryPlanPass:
             self._set_gates()
             if not cal.warned:
                 cal.warned = True
-                log.warning("hf_zero3 memory plan: a step peaked at %.2f GiB, %.2f GiB above the gate budget; "
-                            "prefetches are now gated %.2f GiB lower", fb / 2**30, over / 2**30, cal.tighten / 2**30)
+                log.warning(
+                    "hf_zero3 memory plan: a step peaked at %.2f GiB, %.2f GiB above the gate budget; "
+                    "prefetches are now gated %.2f GiB lower",
+                    fb / 2**30,
+                    over / 2**30,
+                    cal.tighten / 2**30,
+                )
         limit = max(r.budget.limit for r in self.records.values())
         if st > limit and not cal.warned:
             cal.warned = True
-            log.warning("hf_zero3 memory plan: a step peaked at %.2f GiB, above the limit of %.2f GiB, outside what the "
-                        "gate controls (optimizer step, loss, reduce buckets)", st / 2**30, limit / 2**30)
+            log.warning(
+                "hf_zero3 memory plan: a step peaked at %.2f GiB, above the limit of %.2f GiB, outside what the "
+                "gate controls (optimizer step, loss, reduce buckets)",
+                st / 2**30,
+                limit / 2**30,
+            )
         cal.history.append((fb, st, res, cal.tighten))
         return decision
 
@@ -336,24 +390,45 @@ class MemoryPlanPass:
 
         cal = self.calibration
         seen = drifts()
-        projected = max((r.profile.peak + seen[(gid, bwd)] for (gid, bwd), r in self.records.items()
-                         if (gid, bwd) in seen), default=0)
+        projected = max(
+            (r.profile.peak + seen[(gid, bwd)] for (gid, bwd), r in self.records.items() if (gid, bwd) in seen),
+            default=0,
+        )
         time_of, size_of = self._gathered_params()
         persist = self.config.persist and self.config.mode == "budget"
-        d = decide(cal.peak_fwd_bwd, cal.peak_step, projected, gate_budget,
-                   [(i, size_of[i], time_of[i]) for i in sorted(size_of)], persist, peak_reserved=cal.peak_reserved,
-                   reserved_limit=min(r.budget.limit - r.budget.safety for r in self.records.values()),
-                   planned_fragmentation=max(r.budget.fragmentation for r in self.records.values()))
+        d = decide(
+            cal.peak_fwd_bwd,
+            cal.peak_step,
+            projected,
+            gate_budget,
+            [(i, size_of[i], time_of[i]) for i in sorted(size_of)],
+            persist,
+            peak_reserved=cal.peak_reserved,
+            reserved_limit=min(r.budget.limit - r.budget.safety for r in self.records.values()),
+            planned_fragmentation=max(r.budget.fragmentation for r in self.records.values()),
+        )
         if not all_equal([d.fingerprint(), len(d.persistent)], group, Tag("memory_plan.calibrated")):
-            raise PlanError("hf_zero3 memory plan: ranks calibrated differently from agreed measurements; refusing "
-                            "to run (the all-gathers would be reordered). Please report this.")
+            raise PlanError(
+                "hf_zero3 memory plan: ranks calibrated differently from agreed measurements; refusing "
+                "to run (the all-gathers would be reordered). Please report this."
+            )
         cal.decision, cal.tighten = d, d.tighten
         self._set_gates()
-        log.info("hf_zero3 memory plan calibrated over %d steps: real peak %.2f GiB (forward/backward %.2f GiB, "
-                 "projected %.2f GiB: excess %.2f GiB; reserved %.2f GiB), gate budget %.2f GiB; gate lowered by "
-                 "%.2f GiB, %d parameters persistent in %.2f GiB of room", cal.measured, cal.peak_step / 2**30,
-                 cal.peak_fwd_bwd / 2**30, projected / 2**30, d.excess / 2**30, cal.peak_reserved / 2**30,
-                 gate_budget / 2**30, d.tighten / 2**30, len(d.persistent), max(d.room, 0) / 2**30)
+        log.info(
+            "hf_zero3 memory plan calibrated over %d steps: real peak %.2f GiB (forward/backward %.2f GiB, "
+            "projected %.2f GiB: excess %.2f GiB; reserved %.2f GiB), gate budget %.2f GiB; gate lowered by "
+            "%.2f GiB, %d parameters persistent in %.2f GiB of room",
+            cal.measured,
+            cal.peak_step / 2**30,
+            cal.peak_fwd_bwd / 2**30,
+            projected / 2**30,
+            d.excess / 2**30,
+            cal.peak_reserved / 2**30,
+            gate_budget / 2**30,
+            d.tighten / 2**30,
+            len(d.persistent),
+            max(d.room, 0) / 2**30,
+        )
         if d.persistent:
             self._persist(d.persistent, size_of, group)
         return d
@@ -397,9 +472,19 @@ def _dump(profile: GraphProfile, plan: PrefetchPlan, budget: MemoryBudget) -> No
     os.makedirs(out, exist_ok=True)
     name = f"graph{len(os.listdir(out)):02d}_{'bwd' if profile.bwd else 'fwd'}.json"
     with open(os.path.join(out, name), "w") as f:
-        json.dump({"profile": profile.to_json(), "budget": budget.__dict__, "plan": {
-            "budget": plan.budget, "prefetched": plan.prefetched, "peak": plan.peak,
-            "slots": [[s.index, list(s.ds_ids), s.nbytes, s.window_peak] for s in plan.slots]}}, f)
+        json.dump(
+            {
+                "profile": profile.to_json(),
+                "budget": budget.__dict__,
+                "plan": {
+                    "budget": plan.budget,
+                    "prefetched": plan.prefetched,
+                    "peak": plan.peak,
+                    "slots": [[s.index, list(s.ds_ids), s.nbytes, s.window_peak] for s in plan.slots],
+                },
+            },
+            f,
+        )
 
 
 def _is_last_backward(graph_id, graph_order) -> bool:
@@ -410,8 +495,17 @@ def _is_last_backward(graph_id, graph_order) -> bool:
     return False
 
 
-def _rewrite(gm, profile: GraphProfile, plan: PrefetchPlan, graph_id: int, gate_budget: int, *, gate: bool,
-             group=None, bwd: bool = False) -> None:
+def _rewrite(
+    gm,
+    profile: GraphProfile,
+    plan: PrefetchPlan,
+    graph_id: int,
+    gate_budget: int,
+    *,
+    gate: bool,
+    group=None,
+    bwd: bool = False,
+) -> None:
     """Insert the launch agreement and the gated prefetches before their planned nodes."""
     if not plan.slots:
         return
@@ -427,22 +521,23 @@ def _rewrite(gm, profile: GraphProfile, plan: PrefetchPlan, graph_id: int, gate_
         first = plan.slots[0]
         anchor = nodes[first.gather_nodes[0]].args[0]
         with gm.graph.inserting_before(nodes[first.index]):
-            launch = gm.graph.call_function(torch.ops.hf_zero3.agree_launch.default,
-                                            (anchor, graph_id, profile.nodes[first.index - 1].alloc, gate_budget,
-                                             int(bool(bwd))))
+            launch = gm.graph.call_function(
+                torch.ops.hf_zero3.agree_launch.default,
+                (anchor, graph_id, profile.nodes[first.index - 1].alloc, gate_budget, int(bool(bwd))),
+            )
         _profile_meta(launch)
     for slot in plan.slots:
         params = [nodes[u].args[0] for u in slot.gather_nodes]
         with gm.graph.inserting_before(nodes[slot.index]):
             if gate:
-                new = gm.graph.call_function(torch.ops.hf_zero3.gated_prefetch.default,
-                                             (graph_id, params, list(slot.ds_ids), slot.nbytes, slot.window_peak,
-                                              launch))
+                new = gm.graph.call_function(
+                    torch.ops.hf_zero3.gated_prefetch.default,
+                    (graph_id, params, list(slot.ds_ids), slot.nbytes, slot.window_peak, launch),
+                )
             else:
                 from hf_zero3._upstream.deepspeed import dc_prefetch_op
 
-                new = gm.graph.call_function(dc_prefetch_op(),
-                                             (graph_id, params, list(slot.ds_ids)))
+                new = gm.graph.call_function(dc_prefetch_op(), (graph_id, params, list(slot.ds_ids)))
         _profile_meta(new)
     gm.graph.lint()
 
@@ -469,8 +564,11 @@ class _Dispatcher:
 
     def others(self, planner: "MemoryPlanPass") -> list:
         """Live plans of other engines."""
-        return [p for p in (r() for r in self._plans) if p is not None and p is not planner
-                and p.engine is not planner.engine]
+        return [
+            p
+            for p in (r() for r in self._plans)
+            if p is not None and p is not planner and p.engine is not planner.engine
+        ]
 
     def add(self, planner: "MemoryPlanPass") -> None:
         import weakref
@@ -489,15 +587,14 @@ class _Dispatcher:
                 return owners[0]
         return plans[0] if len(plans) == 1 and not ids else None
 
-    def __call__(self, gm, graph_id, graph_order, profiling_results, create_inputs_fn, mem_budget, param_manager,
-                 bwd):
+    def __call__(self, gm, graph_id, graph_order, profiling_results, create_inputs_fn, mem_budget, param_manager, bwd):
         planner = self.route(param_manager, graph_id)
         if planner is None:
-            log.error("hf_zero3 memory plan: graph %s belongs to no engine with a memory plan; left unplanned",
-                      graph_id)
+            log.error(
+                "hf_zero3 memory plan: graph %s belongs to no engine with a memory plan; left unplanned", graph_id
+            )
             return None
-        return planner(gm, graph_id, graph_order, profiling_results, create_inputs_fn, mem_budget, param_manager,
-                       bwd)
+        return planner(gm, graph_id, graph_order, profiling_results, create_inputs_fn, mem_budget, param_manager, bwd)
 
 
 _DISPATCHER = _Dispatcher()
@@ -525,8 +622,12 @@ def plan_applies(engine, config: MemoryPlanConfig) -> bool:
 def apply_memory_plan(engine, config: MemoryPlanConfig | None = None) -> tuple[MemoryPlanPass, list]:
     """Bind a memory-plan pass to ``engine`` (its runtime keeps it); returns (pass, schedule for
     ``engine.compile``). Several engines in one process each keep their own plan."""
-    from hf_zero3._upstream.deepspeed import (deepcompile_enabled, deepcompile_supported, engine_zero_stage,
-                                              register_compile_pass)
+    from hf_zero3._upstream.deepspeed import (
+        deepcompile_enabled,
+        deepcompile_supported,
+        engine_zero_stage,
+        register_compile_pass,
+    )
     from hf_zero3._upstream.versions import require
     from hf_zero3.runtime import runtime_of
 
@@ -538,8 +639,10 @@ def apply_memory_plan(engine, config: MemoryPlanConfig | None = None) -> tuple[M
     if not deepcompile_enabled(engine):
         raise ConfigError('the DeepSpeed config does not enable DeepCompile; add "compile": {"deepcompile": true}')
     if engine_zero_stage(engine) != 3:
-        raise ConfigError(f"the memory plan schedules ZeRO-3 all-gathers; this engine runs ZeRO stage "
-                          f"{engine_zero_stage(engine)} (set zero_optimization.stage to 3)")
+        raise ConfigError(
+            f"the memory plan schedules ZeRO-3 all-gathers; this engine runs ZeRO stage "
+            f"{engine_zero_stage(engine)} (set zero_optimization.stage to 3)"
+        )
     rt = runtime_of(engine)
     planner = MemoryPlanPass(config, engine, runtime=rt)
     register_compile_pass(PASS_NAME, _DISPATCHER, pass_contract())
@@ -548,10 +651,12 @@ def apply_memory_plan(engine, config: MemoryPlanConfig | None = None) -> tuple[M
 
     patches.install("deepcompile_profile_in_allocator_units", patch_deepcompile_profile_in_allocator_units)
     if _DISPATCHER.others(planner):
-        log.warning("hf_zero3: a second DeepCompile engine in this process. DeepSpeed 0.19.8 keeps one DeepCompile "
-                    "native state per process, owned by the engine compiled last: only that engine may run its "
-                    "compiled graph. Compile the engine you train last; evaluate the others through "
-                    "hf_zero3.eval_forward / Zero3Safe (eager, gathered). Each keeps its own memory plan.")
+        log.warning(
+            "hf_zero3: a second DeepCompile engine in this process. DeepSpeed 0.19.8 keeps one DeepCompile "
+            "native state per process, owned by the engine compiled last: only that engine may run its "
+            "compiled graph. Compile the engine you train last; evaluate the others through "
+            "hf_zero3.eval_forward / Zero3Safe (eager, gathered). Each keeps its own memory plan."
+        )
     _DISPATCHER.add(planner)
     from hf_zero3.compile.gate import register_ops
 
@@ -603,8 +708,9 @@ def _raise_plan_errors_from_forward(engine, rt) -> None:
     engine.step = measured_step
 
 
-def compile_with_memory_plan(engine, config: MemoryPlanConfig | None = None, backend: str | None = None,
-                             compile_kwargs: dict | None = None) -> MemoryPlanPass:
+def compile_with_memory_plan(
+    engine, config: MemoryPlanConfig | None = None, backend: str | None = None, compile_kwargs: dict | None = None
+) -> MemoryPlanPass:
     """Register the pass and compile ``engine`` with its schedule. On an engine someone already
     compiled (accelerate) but that has not run a compiled step, the schedule is swapped in."""
     from hf_zero3._upstream.deepspeed import engine_is_compiled, replace_pending_schedule
@@ -612,9 +718,12 @@ def compile_with_memory_plan(engine, config: MemoryPlanConfig | None = None, bac
     planner, schedule = apply_memory_plan(engine, config)
     if engine_is_compiled(engine):
         if not replace_pending_schedule(engine, schedule):
-            raise ConfigError("the engine was compiled and has already run compiled steps with another schedule; "
-                              "apply the memory plan before the first training step")
+            raise ConfigError(
+                "the engine was compiled and has already run compiled steps with another schedule; "
+                "apply the memory plan before the first training step"
+            )
     else:
-        engine.compile(backend=backend or planner.config.compile_backend, compile_kwargs=compile_kwargs or {},
-                       schedule=schedule)
+        engine.compile(
+            backend=backend or planner.config.compile_backend, compile_kwargs=compile_kwargs or {}, schedule=schedule
+        )
     return planner

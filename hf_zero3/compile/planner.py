@@ -27,8 +27,15 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 __all__ = [
-    "NodeProfile", "GraphProfile", "PrefetchSlot", "PrefetchPlan", "PlanError", "BudgetTooSmallError",
-    "plan_prefetch", "plan_persistence", "check_floor",
+    "NodeProfile",
+    "GraphProfile",
+    "PrefetchSlot",
+    "PrefetchPlan",
+    "PlanError",
+    "BudgetTooSmallError",
+    "plan_prefetch",
+    "plan_persistence",
+    "check_floor",
 ]
 
 INPUT, GATHER, WAIT, RELEASE, COMPUTE, OUTPUT = "input", "gather", "wait", "release", "compute", "output"
@@ -75,8 +82,11 @@ class GraphProfile:
 
     def to_json(self) -> dict:
         """Plain data (``from_json`` inverts it); ``HF_ZERO3_PLAN_DUMP`` writes DeepCompile's this way."""
-        return {"graph_id": self.graph_id, "bwd": self.bwd,
-                "nodes": [[n.name, n.kind, n.ds_id, n.nbytes, n.time, n.peak, n.alloc] for n in self.nodes]}
+        return {
+            "graph_id": self.graph_id,
+            "bwd": self.bwd,
+            "nodes": [[n.name, n.kind, n.ds_id, n.nbytes, n.time, n.peak, n.alloc] for n in self.nodes],
+        }
 
     @classmethod
     def from_json(cls, data: dict) -> "GraphProfile":
@@ -130,8 +140,10 @@ def _check(profile: GraphProfile) -> None:
         if n.kind not in (INPUT, GATHER, WAIT, RELEASE, COMPUTE, OUTPUT):
             raise PlanError(f"node {n.name!r} has unknown kind {n.kind!r}")
         if n.kind == GATHER and (n.ds_id < 0 or n.nbytes <= 0):
-            raise PlanError(f"gather node {n.name!r} needs a ds_id and a positive size "
-                            f"(got ds_id={n.ds_id}, nbytes={n.nbytes}); was the graph profiled?")
+            raise PlanError(
+                f"gather node {n.name!r} needs a ds_id and a positive size "
+                f"(got ds_id={n.ds_id}, nbytes={n.nbytes}); was the graph profiled?"
+            )
         if n.peak < 0 or n.time < 0:
             raise PlanError(f"node {n.name!r} has a negative profile value")
         seen_compute |= n.kind != INPUT
@@ -148,8 +160,15 @@ def _min_issue(nodes: Sequence[NodeProfile], u: int, floor: int) -> int | None:
     return k if k >= floor else None
 
 
-def plan_prefetch(profile: GraphProfile, budget: int, *, max_fuse_bytes: int = 1 << 30,
-                  cover: float = 1.0, exclude: Iterable[int] = (), coalesce: bool = True) -> PrefetchPlan:
+def plan_prefetch(
+    profile: GraphProfile,
+    budget: int,
+    *,
+    max_fuse_bytes: int = 1 << 30,
+    cover: float = 1.0,
+    exclude: Iterable[int] = (),
+    coalesce: bool = True,
+) -> PrefetchPlan:
     """Place prefetches for ``profile``'s gathers so that projected memory stays <= ``budget``.
 
     A node whose profiled peak is already above the budget hosts no prefetch (the profile of an
@@ -229,8 +248,7 @@ def plan_prefetch(profile: GraphProfile, budget: int, *, max_fuse_bytes: int = 1
     for p in sorted(by_issue):
         group: list[int] = []
         for u in by_issue[p] + [None]:
-            if u is not None and (not group or sum(nodes[g].nbytes for g in group) + nodes[u].nbytes
-                                  <= max_fuse_bytes):
+            if u is not None and (not group or sum(nodes[g].nbytes for g in group) + nodes[u].nbytes <= max_fuse_bytes):
                 group.append(u)
                 continue
             if group:
@@ -239,17 +257,37 @@ def plan_prefetch(profile: GraphProfile, budget: int, *, max_fuse_bytes: int = 1
     if coalesce:
         groups = _coalesce(groups, nodes, floors, base, extra, budget, max_fuse_bytes)
     projected = [base[k] + extra[k] for k in range(n)]
-    slots = tuple(PrefetchSlot(index=p, ds_ids=tuple(nodes[g].ds_id for g in group), gather_nodes=tuple(group),
-                               nbytes=sum(nodes[g].nbytes for g in group), window_peak=max(projected[p:max(group)]))
-                  for p, group in groups)
+    slots = tuple(
+        PrefetchSlot(
+            index=p,
+            ds_ids=tuple(nodes[g].ds_id for g in group),
+            gather_nodes=tuple(group),
+            nbytes=sum(nodes[g].nbytes for g in group),
+            window_peak=max(projected[p : max(group)]),
+        )
+        for p, group in groups
+    )
     assert all(e == 0 or p <= budget for e, p in zip(extra, projected)), "planner invariant: over budget"
-    return PrefetchPlan(graph_id=profile.graph_id, budget=budget, slots=tuple(slots),
-                        projected=tuple(projected), hidden_time=hidden, candidates=len(cands),
-                        skipped=skipped)
+    return PrefetchPlan(
+        graph_id=profile.graph_id,
+        budget=budget,
+        slots=tuple(slots),
+        projected=tuple(projected),
+        hidden_time=hidden,
+        candidates=len(cands),
+        skipped=skipped,
+    )
 
 
-def _coalesce(groups: list[tuple[int, list[int]]], nodes: Sequence[NodeProfile], floors: dict[int, int],
-              base: list[int], extra: list[int], budget: int, max_fuse_bytes: int) -> list[tuple[int, list[int]]]:
+def _coalesce(
+    groups: list[tuple[int, list[int]]],
+    nodes: Sequence[NodeProfile],
+    floors: dict[int, int],
+    base: list[int],
+    extra: list[int],
+    budget: int,
+    max_fuse_bytes: int,
+) -> list[tuple[int, list[int]]]:
     """Merge each fused group into the previous one (issued earlier) while that fits.
 
     Every fused prefetch is one collective launch plus its host-side bookkeeping, and a compiled
@@ -265,9 +303,11 @@ def _coalesce(groups: list[tuple[int, list[int]]], nodes: Sequence[NodeProfile],
         if out:
             p, cur = out[-1]
             size = sum(nodes[u].nbytes for u in group)
-            if (sum(nodes[u].nbytes for u in cur) + size <= max_fuse_bytes
-                    and all(floors[u] <= p for u in group)
-                    and all(base[k] + extra[k] + size <= budget for k in range(p, q))):
+            if (
+                sum(nodes[u].nbytes for u in cur) + size <= max_fuse_bytes
+                and all(floors[u] <= p for u in group)
+                and all(base[k] + extra[k] + size <= budget for k in range(p, q))
+            ):
                 for k in range(p, q):
                     extra[k] += size
                 cur.extend(group)
@@ -287,7 +327,8 @@ def check_floor(profile: GraphProfile, limit: int, reserved: int = 0) -> None:
             f"graph {profile.graph_id} ({'backward' if profile.bwd else 'forward'}) holds {_gib(floor)} at every "
             f"node (with no prefetch at all), plus {_gib(reserved)} the optimizer allocates later, above the memory "
             f"limit of {_gib(limit)}. Raise the limit (hf_zero3.memory_plan.max_memory or the per-process memory "
-            f"fraction), or shrink what stays resident: DeepSpeed optimizer/parameter offload, more ranks.")
+            f"fraction), or shrink what stays resident: DeepSpeed optimizer/parameter offload, more ranks."
+        )
 
 
 def plan_persistence(candidates: Iterable[tuple[int, int, float]], peak: int, budget: int) -> tuple[int, ...]:

@@ -13,8 +13,7 @@ from dataclasses import replace
 
 from torch.fx import Graph
 
-from hf_zero3.compile.planner import (COMPUTE, GATHER, INPUT, OUTPUT, RELEASE, WAIT, GraphProfile, NodeProfile,
-                                      PlanError)
+from hf_zero3.compile.planner import COMPUTE, GATHER, INPUT, OUTPUT, RELEASE, WAIT, GraphProfile, NodeProfile, PlanError
 
 __all__ = ["node_kind", "profile_from_deepcompile", "agree_profile", "profile_complete", "profile_meta_defaults"]
 
@@ -60,8 +59,10 @@ def profile_from_deepcompile(graph: Graph, prof, graph_id: int, bwd: bool, ops=N
     ops = ops if ops is not None else _dc_ops()
     _graph, mem, times, sizes = profile_fields(prof, bwd)
     if not mem:
-        raise PlanError(f"graph {graph_id} has no memory profile; DeepCompile did not profile it "
-                        f"(schedule the memory plan after 'zero3_compile' in the same step)")
+        raise PlanError(
+            f"graph {graph_id} has no memory profile; DeepCompile did not profile it "
+            f"(schedule the memory plan after 'zero3_compile' in the same step)"
+        )
     mem_d = {name: (alloc, peak) for name, alloc, _delta, peak in mem}
     time_d = {name: float(dt) / 1e3 for name, dt, _wt in times}
     size_d = {name: int(sz) for name, sz in sizes}
@@ -72,8 +73,11 @@ def profile_from_deepcompile(graph: Graph, prof, graph_id: int, bwd: bool, ops=N
             alloc, peak = (int(v) for v in mem_d[node.name])
         kind = node_kind(node, ops)
         nbytes = size_d.get(node.name, 0) if kind == GATHER else 0
-        nodes.append(NodeProfile(node.name, kind, _ds_id(node, kind), nbytes, time_d.get(node.name, 0.0),
-                                 max(peak, alloc), alloc))
+        nodes.append(
+            NodeProfile(
+                node.name, kind, _ds_id(node, kind), nbytes, time_d.get(node.name, 0.0), max(peak, alloc), alloc
+            )
+        )
     return GraphProfile(graph_id, tuple(nodes), bwd)
 
 
@@ -84,13 +88,16 @@ def agree_profile(profile: GraphProfile, group=None) -> GraphProfile:
     tag = Tag("memory_plan.profile", {"graph": "bwd" if profile.bwd else "fwd"})
     n = len(profile.nodes)
     if not all_equal([n, sum(1 for x in profile.nodes if x.kind == GATHER)], group, tag):
-        raise PlanError(f"graph {profile.graph_id}: ranks traced different graphs (node counts differ); "
-                        f"every rank of the gather group must compile the same model and inputs")
+        raise PlanError(
+            f"graph {profile.graph_id}: ranks traced different graphs (node counts differ); "
+            f"every rank of the gather group must compile the same model and inputs"
+        )
     flat = []
     for x in profile.nodes:
         flat += [x.peak, x.alloc, x.nbytes, int(round(x.time * 1e9))]
     agreed = all_max(flat, group, tag)
     nodes = tuple(
         replace(x, peak=agreed[4 * i], alloc=agreed[4 * i + 1], nbytes=agreed[4 * i + 2], time=agreed[4 * i + 3] / 1e9)
-        for i, x in enumerate(profile.nodes))
+        for i, x in enumerate(profile.nodes)
+    )
     return replace(profile, nodes=nodes)

@@ -103,8 +103,13 @@ def prepare(model, args: tuple, kwargs: dict, bucket: int) -> None:
     kwargs["disable_compile"] = False
     inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
     new = _gen_value(model, kwargs, "max_new_tokens")
-    if (isinstance(inputs, torch.Tensor) and inputs.dim() == 2 and new and generation_config_field("max_cache_len")
-            and _gen_value(model, kwargs, "max_cache_len") is None):  # a size the user chose stays
+    if (
+        isinstance(inputs, torch.Tensor)
+        and inputs.dim() == 2
+        and new
+        and generation_config_field("max_cache_len")
+        and _gen_value(model, kwargs, "max_cache_len") is None
+    ):  # a size the user chose stays
         kwargs["max_cache_len"] = int(math.ceil((inputs.shape[1] + int(new)) / bucket) * bucket)
 
 

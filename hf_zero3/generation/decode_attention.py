@@ -32,8 +32,23 @@ from .._upstream import transformers as hf_up
 from ..kernels import decode_gemm, gqa_decode
 from . import _switch, fused_projections
 
-__all__ = ["NAME", "KERNEL", "attention", "kernel_attention", "applies", "choice", "use", "rope_enabled",
-           "rope_plan", "rope_bind", "rope_rotaries", "rope_use", "rope_qkv_enabled", "rope_qkv", "advance"]
+__all__ = [
+    "NAME",
+    "KERNEL",
+    "attention",
+    "kernel_attention",
+    "applies",
+    "choice",
+    "use",
+    "rope_enabled",
+    "rope_plan",
+    "rope_bind",
+    "rope_rotaries",
+    "rope_use",
+    "rope_qkv_enabled",
+    "rope_qkv",
+    "advance",
+]
 
 NAME = "hf_zero3_gqa_decode"
 KERNEL = gqa_decode.NAME
@@ -41,17 +56,17 @@ _REPLACES = ("sdpa", "eager")  # implementations whose decode step this computes
 _REGISTERED = False
 
 
-def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
-              **kwargs):
+def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
     """``query`` (batch, heads, 1, dim), ``key``/``value`` (batch, kv_heads, length, dim); returns
     (batch, 1, heads, dim) as transformers' attention functions do, and no weights."""
     b, h, q, d = query.shape
     kv = key.shape[1]
     if q != 1 or kv == h or h % kv or dropout or kwargs.get("softcap") is not None:
-        return hf_up.sdpa_attention()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return hf_up.sdpa_attention()(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     scores = torch.matmul(query.reshape(b, kv, h // kv, d), key.transpose(2, 3))  # (b, kv, groups, length)
-    scores = scores * (scaling if scaling is not None else d ** -0.5)
+    scores = scores * (scaling if scaling is not None else d**-0.5)
     if attention_mask is not None:
         mask = attention_mask[..., : key.shape[-2]]  # (b, 1, 1, length): every head's the same
         if mask.shape[1] != 1:
@@ -64,12 +79,17 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     return torch.matmul(probs, value).reshape(b, 1, h, value.shape[-1]), None
 
 
-def kernel_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
-                     **kwargs):
+def kernel_attention(
+    module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs
+):
     """:func:`attention` as one Triton kernel where :func:`gqa_decode.supports` the shapes (the
     PyTorch form otherwise)."""
-    if (dropout or kwargs.get("softcap") is not None or key.shape[1] == query.shape[1]
-            or not gqa_decode.supports(query, key, value, attention_mask)):
+    if (
+        dropout
+        or kwargs.get("softcap") is not None
+        or key.shape[1] == query.shape[1]
+        or not gqa_decode.supports(query, key, value, attention_mask)
+    ):
         return attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return gqa_decode.gqa_decode_attention(query, key, value, attention_mask, scale), None
@@ -87,8 +107,12 @@ def applies(model) -> bool:
     if any(torch_up.module_has(m, "sinks") for m in model.modules()):
         return False
     heads, kv = getattr(cfg, "num_attention_heads", None), getattr(cfg, "num_key_value_heads", None)
-    return (getattr(cfg, "_attn_implementation", None) in _REPLACES and isinstance(heads, int)
-            and isinstance(kv, int) and kv < heads)
+    return (
+        getattr(cfg, "_attn_implementation", None) in _REPLACES
+        and isinstance(heads, int)
+        and isinstance(kv, int)
+        and kv < heads
+    )
 
 
 def choice(model, device, rows: int) -> str | None:
@@ -97,8 +121,12 @@ def choice(model, device, rows: int) -> str | None:
     :func:`applies` is False)."""
     if not applies(model):
         return None
-    if (torch.device(device).type == "cuda" and gqa_decode.is_available() and gqa_decode.load() is not None
-            and gqa_decode.pays(rows, model.config.num_key_value_heads)):
+    if (
+        torch.device(device).type == "cuda"
+        and gqa_decode.is_available()
+        and gqa_decode.load() is not None
+        and gqa_decode.pays(rows, model.config.num_key_value_heads)
+    ):
         return KERNEL  # built here, outside the compiled step's trace
     return NAME
 
@@ -190,9 +218,15 @@ def _rope_module(m) -> bool:
         return False
     d = getattr(m, "head_dim", None)
     q, k, v = projs[:3]
-    return (isinstance(d, int) and d % 2 == 0 and q.out_features % d == 0 and k.out_features % d == 0
-            and v.out_features == k.out_features and (q.out_features // d) % (k.out_features // d) == 0
-            and q.out_features > k.out_features)
+    return (
+        isinstance(d, int)
+        and d % 2 == 0
+        and q.out_features % d == 0
+        and k.out_features % d == 0
+        and v.out_features == k.out_features
+        and (q.out_features // d) % (k.out_features // d) == 0
+        and q.out_features > k.out_features
+    )
 
 
 def rope_enabled() -> bool:
@@ -268,8 +302,13 @@ def _plain_causal(config) -> bool:
 
 
 def _padding_fits(mask, b: int, length: int) -> bool:
-    return (mask.dim() == 2 and mask.shape[0] in (1, b) and mask.shape[1] >= length and mask.stride(-1) == 1
-            and (mask.dtype == torch.bool or not mask.dtype.is_floating_point))
+    return (
+        mask.dim() == 2
+        and mask.shape[0] in (1, b)
+        and mask.shape[1] >= length
+        and mask.stride(-1) == 1
+        and (mask.dtype == torch.bool or not mask.dtype.is_floating_point)
+    )
 
 
 def _rope_fits(m, hidden, cos, sin, layer, mask) -> bool:
@@ -282,7 +321,9 @@ def _rope_fits(m, hidden, cos, sin, layer, mask) -> bool:
     keys, values = layer.keys, layer.values
     if hidden.dim() != 3 or hidden.shape[1] != 1 or hidden.dtype != keys.dtype or values.dtype != keys.dtype:
         return False
-    if keys.dtype not in (torch.float16, torch.bfloat16, torch.float32) or torch.is_autocast_enabled(hidden.device.type):
+    if keys.dtype not in (torch.float16, torch.bfloat16, torch.float32) or torch.is_autocast_enabled(
+        hidden.device.type
+    ):
         return False
     if not (hidden.is_cuda or gqa_decode._state.get("interpret", False)):
         return False
@@ -291,13 +332,28 @@ def _rope_fits(m, hidden, cos, sin, layer, mask) -> bool:
     if cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.dtype != sin.dtype:
         return False
     heads, kv = m.q_proj.out_features // d, keys.shape[1]
-    if (keys.shape[0] != b or keys.shape[-1] != d or m.k_proj.out_features != kv * d or heads % kv or d > 256
-            or values.shape[:2] != keys.shape[:2] or m.v_proj.out_features != kv * values.shape[-1]
-            or values.shape[-1] > 256):
+    if (
+        keys.shape[0] != b
+        or keys.shape[-1] != d
+        or m.k_proj.out_features != kv * d
+        or heads % kv
+        or d > 256
+        or values.shape[:2] != keys.shape[:2]
+        or m.v_proj.out_features != kv * values.shape[-1]
+        or values.shape[-1] > 256
+    ):
         return False
-    return mask is None or _padding_fits(mask, b, keys.shape[-2]) or (
-        mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == 1 and mask.shape[-1] >= keys.shape[-2]
-        and mask.shape[0] in (1, b))
+    return (
+        mask is None
+        or _padding_fits(mask, b, keys.shape[-2])
+        or (
+            mask.dim() == 4
+            and mask.shape[1] == 1
+            and mask.shape[2] == 1
+            and mask.shape[-1] >= keys.shape[-2]
+            and mask.shape[0] in (1, b)
+        )
+    )
 
 
 def _rope_forward(module):
@@ -310,11 +366,19 @@ def _rope_forward(module):
         layer = layers[m.layer_idx] if layers is not None and m.layer_idx < len(layers) else None
         mask = attention_mask
         padding = _STEP["padding"]
-        if (padding is not None and layer is not None and _plain_causal(m.config)
-                and _padding_fits(padding, hidden_states.shape[0], layer.keys.shape[-2])):
+        if (
+            padding is not None
+            and layer is not None
+            and _plain_causal(m.config)
+            and _padding_fits(padding, hidden_states.shape[0], layer.keys.shape[-2])
+        ):
             mask = padding  # what transformers' mask was built from, read in place
-        if (layer is None or position_embeddings is None or kwargs.get("output_attentions")
-                or not _rope_fits(m, hidden_states, *position_embeddings, layer, mask)):
+        if (
+            layer is None
+            or position_embeddings is None
+            or kwargs.get("output_attentions")
+            or not _rope_fits(m, hidden_states, *position_embeddings, layer, mask)
+        ):
             out = own(m, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
             if layer is not None and hidden_states.shape[1] == 1:
                 layer.cumulative_length.sub_(1)  # the loop's advance() counts this layer's step
@@ -331,9 +395,19 @@ def _rope_forward(module):
             k = m.k_proj(hidden_states).view(b, -1, d)
             v = m.v_proj(hidden_states).view(b, k.shape[1], -1)
         cos, sin = position_embeddings
-        out = gqa_decode.rope_decode_attention(q, k, v, cos.view(cos.shape[0], d), sin.view(sin.shape[0], d),
-                                               layer.keys, layer.values, layer.cumulative_length, mask,
-                                               m.scaling, dependent=_STEP["dependent"])
+        out = gqa_decode.rope_decode_attention(
+            q,
+            k,
+            v,
+            cos.view(cos.shape[0], d),
+            sin.view(sin.shape[0], d),
+            layer.keys,
+            layer.values,
+            layer.cumulative_length,
+            mask,
+            m.scaling,
+            dependent=_STEP["dependent"],
+        )
         return m.o_proj(out.reshape(b, 1, -1)), None
 
     return forward
@@ -350,8 +424,9 @@ def _rotary_forward(module):
 
 
 @contextlib.contextmanager
-def rope_use(modules: list, padding_mask: torch.Tensor | None = None, rotaries: list = (), dependent: bool = False,
-             qkv=None):
+def rope_use(
+    modules: list, padding_mask: torch.Tensor | None = None, rotaries: list = (), dependent: bool = False, qkv=None
+):
     """Inside: ``modules`` (:func:`rope_bind`) run their decode forward through the one kernel;
     the caller calls :func:`advance` after the step's forward. ``padding_mask``: the step's 2-D
     attention mask over the whole cache (the static loop's), which the kernel then reads instead
@@ -363,8 +438,9 @@ def rope_use(modules: list, padding_mask: torch.Tensor | None = None, rotaries: 
     patched = []
     try:
         if modules:
-            for m, forwards, make in ([(m, _ROPE_FORWARDS, _rope_forward) for m in modules]
-                                      + [(r, _ROTARY_FORWARDS, _rotary_forward) for r in rotaries]):
+            for m, forwards, make in [(m, _ROPE_FORWARDS, _rope_forward) for m in modules] + [
+                (r, _ROTARY_FORWARDS, _rotary_forward) for r in rotaries
+            ]:
                 fn = forwards.get(m)
                 if fn is None:
                     fn = forwards[m] = make(m)

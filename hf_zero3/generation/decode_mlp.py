@@ -52,8 +52,14 @@ def split_enabled() -> bool:
 
 
 def _plain_linear(m) -> bool:
-    return (type(m) is nn.Linear and m.bias is None and torch_up.runs_class_forward(m)
-            and type(m.weight.data) is torch.Tensor and m.weight.dim() == 2 and m.weight.is_contiguous())
+    return (
+        type(m) is nn.Linear
+        and m.bias is None
+        and torch_up.runs_class_forward(m)
+        and type(m.weight.data) is torch.Tensor
+        and m.weight.dim() == 2
+        and m.weight.is_contiguous()
+    )
 
 
 def applies(mlp: nn.Module) -> bool:
@@ -67,15 +73,23 @@ def applies(mlp: nn.Module) -> bool:
     if not (isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLU", "SiLUActivation")):
         return False
     ws = (gate.weight, up.weight, down.weight)
-    return (len({(w.dtype, w.device) for w in ws}) == 1 and gate.weight.shape == up.weight.shape
-            and down.in_features == gate.out_features and ws[0].dtype in (torch.float16, torch.bfloat16))
+    return (
+        len({(w.dtype, w.device) for w in ws}) == 1
+        and gate.weight.shape == up.weight.shape
+        and down.in_features == gate.out_features
+        and ws[0].dtype in (torch.float16, torch.bfloat16)
+    )
 
 
 def applies_split(name: str, m: nn.Module) -> bool:
     """``m`` (named ``name``) is an attention module's plain bias-free half-precision ``o_proj``
     with a reduction long enough to split."""
-    return (name.rsplit(".", 1)[-1] == "o_proj" and _plain_linear(m)
-            and m.weight.dtype in (torch.float16, torch.bfloat16) and decode_gemm.split_for(m.in_features) > 1)
+    return (
+        name.rsplit(".", 1)[-1] == "o_proj"
+        and _plain_linear(m)
+        and m.weight.dtype in (torch.float16, torch.bfloat16)
+        and decode_gemm.split_for(m.in_features) > 1
+    )
 
 
 def plan(model: nn.Module, device) -> tuple[str, ...]:
@@ -95,8 +109,12 @@ def _split(op, x2d: torch.Tensor, weight: torch.Tensor, slices: int) -> torch.Te
 
 
 def _fits(rows: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (rows.shape[0] <= decode_gemm.MAX_ROWS and rows.is_contiguous() and x.dtype == weight.dtype
-            and not torch.is_autocast_enabled(x.device.type))
+    return (
+        rows.shape[0] <= decode_gemm.MAX_ROWS
+        and rows.is_contiguous()
+        and x.dtype == weight.dtype
+        and not torch.is_autocast_enabled(x.device.type)
+    )
 
 
 def _ops(device, dependent: bool) -> tuple:
@@ -182,8 +200,10 @@ def use(modules: list[nn.Module], split: bool, dependent: bool = False):
             parts = _parts(m)
             entry = kept.get((split, dependent))
             if entry is None or len(entry[0]) != len(parts) or any(a is not b for a, b in zip(entry[0], parts)):
-                entry = kept[(split, dependent)] = (parts, _split_forward(m, dependent) if isinstance(m, nn.Linear)
-                                                    else _forward(m, split, dependent))
+                entry = kept[(split, dependent)] = (
+                    parts,
+                    _split_forward(m, dependent) if isinstance(m, nn.Linear) else _forward(m, split, dependent),
+                )
             m.forward = entry[1]
             patched.append(m)
         yield

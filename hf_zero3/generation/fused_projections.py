@@ -84,8 +84,9 @@ def _fusable(parent: nn.Module) -> bool:
     ws = [m.weight for m in mods]
     if any(type(w.data) is not torch.Tensor for w in ws):  # a DTensor / quantized storage keeps its own
         return False
-    return (len({(w.dtype, w.device) for w in ws}) == 1
-            and all(w.dim() == 2 and w.numel() == m.in_features * m.out_features for w, m in zip(ws, mods)))
+    return len({(w.dtype, w.device) for w in ws}) == 1 and all(
+        w.dim() == 2 and w.numel() == m.in_features * m.out_features for w, m in zip(ws, mods)
+    )
 
 
 def _enabled() -> bool:
@@ -116,8 +117,13 @@ def partials(parent: nn.Module, x: torch.Tensor, op, split: int):
         return None
     rows = x.reshape(-1, x.shape[-1])
     w = slot.weight
-    if (rows.shape[0] > MAX_ROWS or not rows.is_contiguous() or rows.dtype != w.dtype
-            or w.dtype not in PARTIAL_DTYPES or torch.is_autocast_enabled(x.device.type)):
+    if (
+        rows.shape[0] > MAX_ROWS
+        or not rows.is_contiguous()
+        or rows.dtype != w.dtype
+        or w.dtype not in PARTIAL_DTYPES
+        or torch.is_autocast_enabled(x.device.type)
+    ):
         return None
     return op(rows, w, split).split(slot.sizes, dim=-1)
 
@@ -151,8 +157,14 @@ class Fused:
         first = getattr(parents[0], NAMES[0]).weight
         if len({(getattr(p, NAMES[0]).weight.dtype, getattr(p, NAMES[0]).weight.device) for p in parents}) != 1:
             return 0  # one buffer holds one dtype on one device
-        layout = [([getattr(p, n).out_features for n in NAMES], getattr(p, NAMES[0]).in_features,
-                   getattr(p, NAMES[0]).bias is not None) for p in parents]
+        layout = [
+            (
+                [getattr(p, n).out_features for n in NAMES],
+                getattr(p, NAMES[0]).in_features,
+                getattr(p, NAMES[0]).bias is not None,
+            )
+            for p in parents
+        ]
         need = sum(sum(rows) * (width + bias) for rows, width, bias in layout)
         if first.is_cuda and read_cuda_memory(first.device).allocatable < 2 * need * first.element_size():
             return 0  # rank-local and safe: a decode step runs no collective, only its GEMMs differ
@@ -166,12 +178,12 @@ class Fused:
                     if slot is None:
                         slot = _SLOTS[p] = _Slot(NAMES)
                     n = sum(rows)
-                    slot.weight = self.buffer[at:at + n * width].view(n, width)
+                    slot.weight = self.buffer[at : at + n * width].view(n, width)
                     torch.cat([getattr(p, name).weight for name in NAMES], out=slot.weight)
                     at += n * width
                     slot.bias = None
                     if bias:
-                        slot.bias = self.buffer[at:at + n]
+                        slot.bias = self.buffer[at : at + n]
                         torch.cat([getattr(p, name).bias for name in NAMES], out=slot.bias)
                         at += n
                     slot.sizes = rows

@@ -31,7 +31,8 @@ when anything moved, the call captures anew. Kept graphs hold their memory pool
 Grouped-query models decode with :mod:`.decode_attention` (the KV cache read once per step, not
 once per query head; on CUDA one Triton kernel per layer where it pays, with a Llama layer's
 rotary embedding and cache write inside it), Llama-style SiLU MLPs
-with :mod:`.decode_mlp` (the gate/up pair as one Triton kernel, down and ``o_proj`` split-K, CUDA), and the decode steps run
+with :mod:`.decode_mlp` (the gate/up pair as one Triton kernel, down and ``o_proj`` split-K,
+CUDA), and the decode steps run
 DeepSpeed's forward prologue/epilogue hooks and gradient checkpointing's input-require-grads hook
 off (nothing for them to do in a gathered region under ``no_grad``). The prompt's forward is
 compiled too (its own function, the prompt length dynamic: one graph per batch size for every
@@ -71,13 +72,30 @@ __all__ = ["GRAPH_SAFE_PROCESSORS", "GRAPH_SAFE_CRITERIA", "unsupported", "decod
 log = logging.getLogger("hf_zero3.generation")
 
 # Tensor-only processors: they read the scores, never the (growing) input ids or host state.
-GRAPH_SAFE_PROCESSORS = frozenset({"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper",
-                                   "MinPLogitsWarper", "InfNanRemoveLogitsProcessor"})
+GRAPH_SAFE_PROCESSORS = frozenset(
+    {
+        "TemperatureLogitsWarper",
+        "TopKLogitsWarper",
+        "TopPLogitsWarper",
+        "MinPLogitsWarper",
+        "InfNanRemoveLogitsProcessor",
+    }
+)
 # Criteria the loop computes itself: the step budget, and EOS on the token just chosen.
 GRAPH_SAFE_CRITERIA = frozenset({"MaxLengthCriteria", "EosTokenCriteria"})
-_MODEL_KWARGS = frozenset({"attention_mask", "past_key_values", "use_cache", "output_attentions",
-                           "output_hidden_states", "return_dict", "logits_to_keep", "cache_position",
-                           "position_ids"})
+_MODEL_KWARGS = frozenset(
+    {
+        "attention_mask",
+        "past_key_values",
+        "use_cache",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "logits_to_keep",
+        "cache_position",
+        "position_ids",
+    }
+)
 _COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit)
 _COMPILED: dict = {}  # (model class, dependent launches) -> its compiled __call__
 _FAILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> why its forward did not compile
@@ -95,8 +113,9 @@ def _static_layers(cache) -> bool:
     return bool(layers) and all(type(layer) is StaticLayer for layer in layers)
 
 
-def unsupported(model, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs,
-                length: int) -> str | None:
+def unsupported(
+    model, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs, length: int
+) -> str | None:
     """Why this call cannot take the loop (None: it can); ``length``: prompt + the agreed step
     budget. Local: ranks that decide differently still agree at the same steps."""
     from transformers.generation.utils import GenerationMixin
@@ -147,8 +166,12 @@ def _why(exc: BaseException) -> str:
     why = f"{type(exc).__name__}: {lines[0][:200] if lines else ''}"
     context = [ln for ln in lines[1:] if ln.startswith("Developer debug context:")]
     if context:
-        why += f" [{context[0][len('Developer debug context:'):].strip()[:300]}]"
-    frames = [ln for ln in lines[lines.index("from user code:") + 1:] if ln.startswith("File ")] if "from user code:" in lines else []
+        why += f" [{context[0][len('Developer debug context:') :].strip()[:300]}]"
+    frames = (
+        [ln for ln in lines[lines.index("from user code:") + 1 :] if ln.startswith("File ")]
+        if "from user code:" in lines
+        else []
+    )
     if frames:
         why += f" at {frames[-1][:200]}"  # the innermost traced line
     return why
@@ -316,8 +339,14 @@ def _prefill(model, input_ids, mask, positions, cache) -> tuple[torch.Tensor, st
     transformers runs it, without DeepSpeed's per-linear autograd Function under ``no_grad``, where
     it does not compile (the reason kept per model, one log line) or ``HF_ZERO3_COMPILE_PREFILL=0``.
     Compilation fails before any kernel runs, so the eager forward after a failure starts clean."""
-    kwargs = dict(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                  use_cache=True, **_forward_kwargs(model))
+    kwargs = dict(
+        input_ids=input_ids,
+        attention_mask=mask,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        **_forward_kwargs(model),
+    )
     if prefill_enabled() and model not in _PREFILL_FAILED:
         dims = {}
         for name in ("input_ids", "attention_mask", "position_ids"):
@@ -328,8 +357,11 @@ def _prefill(model, input_ids, mask, positions, cache) -> tuple[torch.Tensor, st
                 torch._dynamo.maybe_mark_dynamic(t, 1)
             dims[name] = t
         try:
-            with (hf_up.input_grad_hooks_suspended(model), ds_up.engine_forward_hooks_suspended(model),
-                  torch_up.hook_guards()):
+            with (
+                hf_up.input_grad_hooks_suspended(model),
+                ds_up.engine_forward_hooks_suspended(model),
+                torch_up.hook_guards(),
+            ):
                 return _compiled_once(_prompt_logits, **prefill_options())(model, **{**kwargs, **dims}), "compiled"
         except _COMPILE_ERRORS as exc:
             _PREFILL_FAILED[model] = why = f"the prompt's forward does not compile into one graph ({_why(exc)})"
@@ -350,9 +382,20 @@ class _Loop:
     decode steps, kept across calls (see :func:`_loop_for`); per call, :meth:`start` fills them in
     place and :meth:`end` drops the call's objects (the model among them: a kept loop holds none)."""
 
-    def __init__(self, batch: int, length: int, device, eos: torch.Tensor | None, sample: bool,
-                 attention: str | None, fused: tuple[str, ...] = (), mlp: tuple[str, ...] = (), split: bool = False,
-                 rope: tuple[str, ...] = (), dependent: bool = False):
+    def __init__(
+        self,
+        batch: int,
+        length: int,
+        device,
+        eos: torch.Tensor | None,
+        sample: bool,
+        attention: str | None,
+        fused: tuple[str, ...] = (),
+        mlp: tuple[str, ...] = (),
+        split: bool = False,
+        rope: tuple[str, ...] = (),
+        dependent: bool = False,
+    ):
         self.mask = torch.ones(batch, length, dtype=torch.long, device=device)
         self.pos = torch.zeros(batch, dtype=torch.long, device=device)
         self.tok = torch.zeros(batch, dtype=torch.long, device=device)
@@ -390,8 +433,7 @@ class _Loop:
         self.compiled = True
         self.model = self.cache = self.prompt = self.processors = None
 
-    def start(self, model, input_ids, mask, positions, cache, processors, generation_config, stopping_criteria,
-              budget):
+    def start(self, model, input_ids, mask, positions, cache, processors, generation_config, stopping_criteria, budget):
         """Fill the buffers for one call (``mask``, ``positions``: the prompt's, from
         :func:`_prompt_inputs`) after its prompt's forward was queued."""
         self.model, self.processors, self.cache = model, processors, cache
@@ -433,8 +475,13 @@ class _Loop:
             for layer, small in zip(self.cache.layers, self.cache_small):
                 for name, kept in small.items():
                     now = vars(layer).get(name)
-                    if (isinstance(now, torch.Tensor) and now is not kept and now.shape == kept.shape
-                            and now.dtype == kept.dtype and now.device == kept.device):
+                    if (
+                        isinstance(now, torch.Tensor)
+                        and now is not kept
+                        and now.shape == kept.shape
+                        and now.dtype == kept.dtype
+                        and now.device == kept.device
+                    ):
                         kept.copy_(now)
                         setattr(layer, name, kept)
         ptrs = tuple(_tensor_ptrs(layer) for layer in self.cache.layers) + (_tensor_ptrs(self.cache), self.fused.ptr)
@@ -442,18 +489,30 @@ class _Loop:
             self.graphs.clear()
             self.warm = False  # the next step runs uncaptured (any recompile happens outside a capture)
             self.cache_ptrs, self.cache_big = ptrs, big
-            self.cache_small = [{k: v for k, v in vars(layer).items() if isinstance(v, torch.Tensor) and v.numel() <= _SMALL}
-                                for layer in self.cache.layers]
+            self.cache_small = [
+                {k: v for k, v in vars(layer).items() if isinstance(v, torch.Tensor) and v.numel() <= _SMALL}
+                for layer in self.cache.layers
+            ]
 
     def step(self) -> None:
         """One decode step, in place on the static buffers (the unit a CUDA graph captures); the
         last step's tail (or the prompt's) moved ``pos`` to this step's position."""
-        kwargs = dict(input_ids=self.tok.view(-1, 1), attention_mask=self.mask, position_ids=self.pos.view(-1, 1),
-                      past_key_values=self.cache, use_cache=True, **self.extra)
-        with (decode_attention.use(self.model, self.attention), self.fused.use(),
-              decode_mlp.use(self.mlp_bound, self.split, self.dependent),
-              decode_attention.rope_use(self.rope_bound, self.mask, self.rotaries, self.dependent, self.qkv),
-              hf_up.input_grad_hooks_suspended(self.model), ds_up.engine_forward_hooks_suspended(self.model)):
+        kwargs = dict(
+            input_ids=self.tok.view(-1, 1),
+            attention_mask=self.mask,
+            position_ids=self.pos.view(-1, 1),
+            past_key_values=self.cache,
+            use_cache=True,
+            **self.extra,
+        )
+        with (
+            decode_attention.use(self.model, self.attention),
+            self.fused.use(),
+            decode_mlp.use(self.mlp_bound, self.split, self.dependent),
+            decode_attention.rope_use(self.rope_bound, self.mask, self.rotaries, self.dependent, self.qkv),
+            hf_up.input_grad_hooks_suspended(self.model),
+            ds_up.engine_forward_hooks_suspended(self.model),
+        ):
             try:
                 out = self.call(self.model, **kwargs)
             except _COMPILE_ERRORS as exc:
@@ -496,7 +555,7 @@ class _Loop:
         memory behind the steps queued so far; elsewhere it is read now)."""
         if self.flag_host is None:
             return bool(self.alive[tokens - 1])
-        self.flag_host.copy_(self.alive[tokens - 1: tokens], non_blocking=True)
+        self.flag_host.copy_(self.alive[tokens - 1 : tokens], non_blocking=True)
         self.flag_event.record()
         return None
 
@@ -525,8 +584,11 @@ _SMALL = 16  # elements: a cache tensor this small is a counter, handed back rat
 
 def _tensor_ptrs(obj, big: bool = False) -> tuple:
     """(name, address) of every tensor attribute of ``obj`` (``big``: only those above ``_SMALL``)."""
-    return tuple((k, v.data_ptr()) for k, v in sorted(vars(obj).items())
-                 if isinstance(v, torch.Tensor) and (not big or v.numel() > _SMALL))
+    return tuple(
+        (k, v.data_ptr())
+        for k, v in sorted(vars(obj).items())
+        if isinstance(v, torch.Tensor) and (not big or v.numel() > _SMALL)
+    )
 
 
 def _plain_state(obj, skip=None) -> tuple:
@@ -545,8 +607,12 @@ def _plain_state(obj, skip=None) -> tuple:
                 if not all(type(x) is str for x in v):
                     continue
                 v = tuple(v)
-            elif (isinstance(v, dict) and v and all(type(x) in scalars for x in v.values())
-                  and all(type(x) is str for x in v)):
+            elif (
+                isinstance(v, dict)
+                and v
+                and all(type(x) in scalars for x in v.values())
+                and all(type(x) is str for x in v)
+            ):
                 v = tuple(sorted(v.items()))  # PEFT's per-adapter scaling, r, lora_alpha
             else:
                 continue
@@ -571,8 +637,9 @@ def _module_state(model) -> tuple:
     return tuple(state)
 
 
-def _loop_key(model, input_ids, processors, generation_config, eos_key, cache,
-              attention: str | None) -> tuple[tuple, tuple] | None:
+def _loop_key(
+    model, input_ids, processors, generation_config, eos_key, cache, attention: str | None
+) -> tuple[tuple, tuple] | None:
     """(what a loop's buffers and graphs are shaped by, the addresses and state they were captured
     with); None when a processor holds something other than plain values (its graph would bake
     in a tensor the next call may not pass again)."""
@@ -582,14 +649,30 @@ def _loop_key(model, input_ids, processors, generation_config, eos_key, cache,
             return None
         procs.append((type(p).__name__, tuple(sorted(vars(p).items()))))
     dev = input_ids.device
-    shape = (type(model), input_ids.shape[0], _cache_length(cache), str(dev), bool(generation_config.do_sample),
-             tuple(procs), eos_key,
-             attention, decode_mlp.enabled(), decode_mlp.split_enabled(), decode_attention.rope_enabled(),
-             pdl_enabled(), decode_attention.rope_qkv_enabled())
+    shape = (
+        type(model),
+        input_ids.shape[0],
+        _cache_length(cache),
+        str(dev),
+        bool(generation_config.do_sample),
+        tuple(procs),
+        eos_key,
+        attention,
+        decode_mlp.enabled(),
+        decode_mlp.split_enabled(),
+        decode_attention.rope_enabled(),
+        pdl_enabled(),
+        decode_attention.rope_qkv_enabled(),
+    )
     params = list(model.parameters())
-    where = (tuple(t.data_ptr() for t in params), tuple(t.data_ptr() for t in model.buffers()),
-             tuple(t.dtype for t in params), torch.is_autocast_enabled(dev.type),
-             torch.get_autocast_dtype(dev.type), _module_state(model))
+    where = (
+        tuple(t.data_ptr() for t in params),
+        tuple(t.data_ptr() for t in model.buffers()),
+        tuple(t.dtype for t in params),
+        torch.is_autocast_enabled(dev.type),
+        torch.get_autocast_dtype(dev.type),
+        _module_state(model),
+    )
     return shape, where
 
 
@@ -605,10 +688,19 @@ def _loop_for(model, input_ids, processors, generation_config, eos, eos_key, cac
         if entry is not None and entry[0] == key[1]:
             kept.move_to_end(key[0])
             return entry[1], True
-    loop = _Loop(input_ids.shape[0], _cache_length(cache), input_ids.device, eos, bool(generation_config.do_sample),
-                 attention, fused_projections.plan(model), decode_mlp.plan(model, input_ids.device),
-                 decode_mlp.split_enabled(), decode_attention.rope_plan(model, attention),
-                 dependent_launches(input_ids.device))
+    loop = _Loop(
+        input_ids.shape[0],
+        _cache_length(cache),
+        input_ids.device,
+        eos,
+        bool(generation_config.do_sample),
+        attention,
+        fused_projections.plan(model),
+        decode_mlp.plan(model, input_ids.device),
+        decode_mlp.split_enabled(),
+        decode_attention.rope_plan(model, attention),
+        dependent_launches(input_ids.device),
+    )
     if key is not None:
         kept[key[0]] = (key[1], loop)
         kept.move_to_end(key[0])
@@ -695,8 +787,9 @@ class _Runner:
                     g = self._capture(size)
                 except RuntimeError as exc:  # an op that syncs the host cannot be captured; nothing ran
                     _NO_GRAPHS[self.loop.model] = _why(exc)
-                    log.warning("hf_zero3 lockstep: decode steps not captured as CUDA graphs: %s",
-                                _NO_GRAPHS[self.loop.model])
+                    log.warning(
+                        "hf_zero3 lockstep: decode steps not captured as CUDA graphs: %s", _NO_GRAPHS[self.loop.model]
+                    )
                     self.loop.graphs.clear()
                     self.graph_steps = 0
                     continue
@@ -706,8 +799,9 @@ class _Runner:
             n -= size
 
 
-def decode(model, call, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs,
-           graph_steps: int) -> torch.Tensor:
+def decode(
+    model, call, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs, graph_steps: int
+) -> torch.Tensor:
     """Generate with the static loop, in lockstep with ``call`` (a :class:`.lockstep._Call`): the
     agreements of transformers' loop under lockstep, at the same steps."""
     budget = int(call.budget)
@@ -719,8 +813,9 @@ def decode(model, call, input_ids, logits_processor, stopping_criteria, generati
     logits, prefill = _prefill(model, input_ids, mask, positions, cache)
     loop, kept = _loop_for(model, input_ids, logits_processor, generation_config, eos, eos_key, cache)
     try:
-        loop.start(model, input_ids, mask, positions, cache, logits_processor, generation_config, stopping_criteria,
-                   budget)
+        loop.start(
+            model, input_ids, mask, positions, cache, logits_processor, generation_config, stopping_criteria, budget
+        )
         runner = _Runner(loop, graph_steps)
         loop._choose(logits)  # the first token, from the prompt's logits
         # this call's q/k/v weights copied into one buffer, after the prefill (its peak does not
@@ -761,11 +856,22 @@ def decode(model, call, input_ids, logits_processor, stopping_criteria, generati
         loop.end()
     if not loop.compiled:
         _forget(model, loop)  # later calls take transformers' loop (failure() says why)
-    call.finish_loop(tokens, done_at, compiled=loop.compiled, graph_steps=runner.graph_steps,
-                     capture_s=runner.capture_s, loop_reused=kept, graphs_reused=runner.reused,
-                     attention=loop.attention, fused_projections=loop.fused_layers,
-                     mlp_kernels=loop.mlp_layers, split_k=loop.split_layers, rope_attention=loop.rope_layers,
-                     dependent_launches=loop.dependent and loop.compiled,
-                     qkv_partials=bool(loop.qkv and loop.fused_layers and loop.rope_layers and loop.compiled),
-                     prefill=prefill, prefill_reason=_PREFILL_FAILED.get(model))
+    call.finish_loop(
+        tokens,
+        done_at,
+        compiled=loop.compiled,
+        graph_steps=runner.graph_steps,
+        capture_s=runner.capture_s,
+        loop_reused=kept,
+        graphs_reused=runner.reused,
+        attention=loop.attention,
+        fused_projections=loop.fused_layers,
+        mlp_kernels=loop.mlp_layers,
+        split_k=loop.split_layers,
+        rope_attention=loop.rope_layers,
+        dependent_launches=loop.dependent and loop.compiled,
+        qkv_partials=bool(loop.qkv and loop.fused_layers and loop.rope_layers and loop.compiled),
+        prefill=prefill,
+        prefill_reason=_PREFILL_FAILED.get(model),
+    )
     return out

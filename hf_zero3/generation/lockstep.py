@@ -40,8 +40,7 @@ from ..runtime import runtime_of
 from . import compiled_decode, graph_decode
 from .compiled_decode import DECODE_MODES
 
-__all__ = ["LockstepConfig", "LockstepStats", "Zero3GenerationMixin", "lockstep",
-           "lockstep_generate", "STOP_MODES"]
+__all__ = ["LockstepConfig", "LockstepStats", "Zero3GenerationMixin", "lockstep", "lockstep_generate", "STOP_MODES"]
 
 STOP_MODES = ("sync", "fixed")
 _LOCKSTEP_KWARGS = ("stop", "sync_every", "gather", "group", "decode", "bucket", "graph_steps")
@@ -101,19 +100,19 @@ class LockstepConfig:
 class LockstepStats:
     """What the last lockstep ``generate()`` call did on this rank (same on every rank)."""
 
-    forwards: int = 0          # decode forwards including the prefill
-    steps_budget: int = 0      # agreed maximum number of steps
-    agreements: int = 0        # the call's agreements (start, budget, stop checks, end; not the region's)
-    gather: str = "none"       # "all", "layerwise", "held" or "none"
-    extra_forwards: int = 0    # forwards run after this rank's own sequences were done
+    forwards: int = 0  # decode forwards including the prefill
+    steps_budget: int = 0  # agreed maximum number of steps
+    agreements: int = 0  # the call's agreements (start, budget, stop checks, end; not the region's)
+    gather: str = "none"  # "all", "layerwise", "held" or "none"
+    extra_forwards: int = 0  # forwards run after this rank's own sequences were done
     stop: str = "sync"
-    joined: bool = False       # this rank had no rows of its own (TRL call alignment)
-    decode: str = "eager"      # "compiled": static KV cache + compiled decode step; "eager"
+    joined: bool = False  # this rank had no rows of its own (TRL call alignment)
+    decode: str = "eager"  # "compiled": static KV cache + compiled decode step; "eager"
     decode_reason: str | None = None  # why the call decoded eagerly (None when compiled)
-    compiles: int = 0          # Dynamo graphs compiled during the call (0: the compiled step was reused)
+    compiles: int = 0  # Dynamo graphs compiled during the call (0: the compiled step was reused)
     loop: str = "transformers"  # whose decode loop ran: "transformers" or "hf_zero3" (static buffers)
     loop_reason: str | None = None  # why compiled decoding kept transformers' loop
-    graph_steps: int = 0       # decode steps per CUDA-graph launch (0: no CUDA graphs)
+    graph_steps: int = 0  # decode steps per CUDA-graph launch (0: no CUDA graphs)
     graph_capture_s: float = 0.0  # host seconds the call spent capturing its CUDA graphs
     loop_reused: bool = False  # the static loop's buffers came from an earlier call (see graph_decode)
     graphs_reused: bool = False  # replayed CUDA graphs an earlier call captured (same parameters, cache, state)
@@ -137,17 +136,18 @@ class _Call:
         self.budget: int | None = None
         self.calls = 0
         self.done_at: int | None = None
-        self.phase = "validating"   # -> "encoding" (encoder-decoder) -> "decoding" -> "done"
+        self.phase = "validating"  # -> "encoding" (encoder-decoder) -> "decoding" -> "done"
         self.region = None
-        self.compile = False        # compiled decode wanted (the region must still allow it)
+        self.compile = False  # compiled decode wanted (the region must still allow it)
 
     def _agree(self, op: str, values=(), *, error=None, count=False, record=None) -> list[int]:
         self.stats.agreements += 1
         try:
-            return self.rt.agree(op, values, error=error, count=count, record=record, group=self.group,
-                                 **self.cfg.options())
+            return self.rt.agree(
+                op, values, error=error, count=count, record=record, group=self.group, **self.cfg.options()
+            )
         except (RankFailure, RankDivergenceError):
-            self.phase = "shared"   # every rank raises this one; nothing more to share
+            self.phase = "shared"  # every rank raises this one; nothing more to share
             raise
 
     def begin(self, error: BaseException | None = None, budget: int = 0) -> list[int]:
@@ -155,8 +155,9 @@ class _Call:
         (and, for a decoder-only model, the step budget); then the gathered region opens."""
         agreed = self._agree("generate", [budget, -budget], error=error, count=True)
         self.phase = "encoding"
-        region = gathered_forwards(zero3.engine_of(self.model) or self.model, self.cfg.gather, self.group,
-                                   op="generate.gather")
+        region = gathered_forwards(
+            zero3.engine_of(self.model) or self.model, self.cfg.gather, self.group, op="generate.gather"
+        )
         try:
             self.stats.gather = region.__enter__().strategy
         except (RankFailure, RankDivergenceError):
@@ -179,7 +180,8 @@ class _Call:
             raise ValueError(
                 f"stop='fixed' needs the same number of steps on every rank, but this group's "
                 f"ranks have between {-neg_lo} and {hi} (max_length with unequal prompt "
-                "lengths?); pass max_new_tokens, or use stop='sync'")
+                "lengths?); pass max_new_tokens, or use stop='sync'"
+            )
         self.budget = self.stats.steps_budget = hi
         self.phase = "decoding"
 
@@ -197,8 +199,10 @@ class _Call:
         hi, neg_lo = self._agree("generate.end", [f, -f], record=True)  # where a missing rank is named
         self.phase = "done"
         if hi != -neg_lo:
-            raise RankDivergenceError(f"hf_zero3: ranks ran between {-neg_lo} and {hi} decode forwards in one "
-                                      "lockstep generate() call; please report this")
+            raise RankDivergenceError(
+                f"hf_zero3: ranks ran between {-neg_lo} and {hi} decode forwards in one "
+                "lockstep generate() call; please report this"
+            )
 
     def close(self) -> None:
         if self.region is not None:
@@ -234,12 +238,26 @@ class _Call:
         (any_unfinished,) = self._agree("generate.step", [1 if unfinished else 0])
         return any_unfinished == 1
 
-    def finish_loop(self, forwards: int, done_at: int | None, *, compiled: bool, graph_steps: int,
-                    capture_s: float = 0.0, loop_reused: bool = False, graphs_reused: bool = False,
-                    attention: str | None = None, fused_projections: int = 0, mlp_kernels: int = 0, split_k: int = 0,
-                    rope_attention: int = 0, dependent_launches: bool = False, qkv_partials: bool = False,
-                    prefill: str | None = None,
-                    prefill_reason: str | None = None) -> None:
+    def finish_loop(
+        self,
+        forwards: int,
+        done_at: int | None,
+        *,
+        compiled: bool,
+        graph_steps: int,
+        capture_s: float = 0.0,
+        loop_reused: bool = False,
+        graphs_reused: bool = False,
+        attention: str | None = None,
+        fused_projections: int = 0,
+        mlp_kernels: int = 0,
+        split_k: int = 0,
+        rope_attention: int = 0,
+        dependent_launches: bool = False,
+        qkv_partials: bool = False,
+        prefill: str | None = None,
+        prefill_reason: str | None = None,
+    ) -> None:
         """hf_zero3's static loop ran ``forwards`` forwards (see :mod:`.graph_decode`)."""
         if self.rt.join is not None:
             done_at = 0  # a joining rank's rows are placeholders, done from the start
@@ -340,7 +358,8 @@ class Zero3GenerationMixin:
             if call.budget < 1:
                 raise ValueError(
                     f"max_length ({generation_config.max_length}) leaves no room to generate after "
-                    f"the {input_len}-token input; use max_new_tokens")
+                    f"the {input_len}-token input; use max_new_tokens"
+                )
         return generation_config
 
     def _get_stopping_criteria(self, *args, **kwargs):
@@ -369,27 +388,55 @@ class Zero3GenerationMixin:
         call.stats.decode = "compiled"
         return True
 
-    def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
-                streamer=None, **model_kwargs):  # hf_up.SAMPLE_HOOK
+    def _sample(
+        self,
+        input_ids,
+        logits_processor,
+        stopping_criteria,
+        generation_config,
+        synced_gpus=False,
+        streamer=None,
+        **model_kwargs,
+    ):  # hf_up.SAMPLE_HOOK
         call = _call_of(self)
         prologue = contextlib.nullcontext()
-        if (call is not None and call.phase == "decoding" and call.compile
-                and self._valid_auto_compile_criteria(model_kwargs, generation_config)):
+        if (
+            call is not None
+            and call.phase == "decoding"
+            and call.compile
+            and self._valid_auto_compile_criteria(model_kwargs, generation_config)
+        ):
             # either loop's prompt forward would move each static layer's fill count with a host sync
             hf_up.static_cache_counters_on(model_kwargs.get("past_key_values"), input_ids.device)
-            why = graph_decode.unsupported(self, logits_processor, stopping_criteria, generation_config, streamer,
-                                           model_kwargs, input_ids.shape[1] + int(call.budget))
+            why = graph_decode.unsupported(
+                self,
+                logits_processor,
+                stopping_criteria,
+                generation_config,
+                streamer,
+                model_kwargs,
+                input_ids.shape[1] + int(call.budget),
+            )
             if why is None:
-                return graph_decode.decode(self, call, input_ids, logits_processor, stopping_criteria,
-                                           generation_config, model_kwargs, call.cfg.graph_steps)
+                return graph_decode.decode(
+                    self,
+                    call,
+                    input_ids,
+                    logits_processor,
+                    stopping_criteria,
+                    generation_config,
+                    model_kwargs,
+                    call.cfg.graph_steps,
+                )
             call.stats.loop_reason = why
             compiled_decode.say_once(f"transformers' compiled loop instead of hf_zero3's static loop: {why}")
             # its compiled forward would trace DeepSpeed's forward prologue too (see
             # _upstream.deepspeed.engine_forward_hooks); the whole model is gathered, so it has nothing to do
             prologue = ds_up.engine_forward_hooks_suspended(self)
         with prologue:
-            return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
-                                   streamer, **model_kwargs)
+            return super()._sample(
+                input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer, **model_kwargs
+            )
 
     def _has_unfinished_sequences(self, this_peer_finished, synced_gpus, device=None, **kwargs):
         call = _call_of(self)
@@ -421,25 +468,30 @@ def _check_group_matches(model, group) -> None:
         raise ValueError(
             f"group= has ranks {sorted(ranks)} but the model's parameters are gathered over ranks "
             f"{sorted(own_ranks)}; every rank that gathers must take part in the stop decision. "
-            "Leave group=None to use the parameters' own group.")
+            "Leave group=None to use the parameters' own group."
+        )
 
 
 def _refuse_rank_divergent_options(cfg: LockstepConfig, args: tuple, kwargs: dict) -> None:
     if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens"):
         raise ValueError(
             "assisted decoding is not supported under lockstep generation: its finished ranks keep "
-            "appending tokens and run the assistant a rank-dependent number of times")
+            "appending tokens and run the assistant a rank-dependent number of times"
+        )
     gen_cfg = kwargs.get("generation_config")
     max_time = kwargs.get("max_time", getattr(gen_cfg, "max_time", None))
     if max_time is not None and cfg.stop == "fixed":
         raise ValueError(
             "max_time cannot shorten stop='fixed' generation (it always runs max_new_tokens steps "
             "on every rank); use stop='sync', where each rank's clock only finishes its own "
-            "sequences and the group stops together")
+            "sequences and the group stops together"
+        )
     inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs", kwargs.get("inputs_embeds")))
     if isinstance(inputs, torch.Tensor) and inputs.dim() >= 1 and inputs.shape[0] == 0:
-        raise ValueError("generate() got an empty batch (0 rows) on this rank; every rank of a ZeRO-3 group "
-                         "must generate at least one row (pad the batch, or skip generate() on every rank)")
+        raise ValueError(
+            "generate() got an empty batch (0 rows) on this rank; every rank of a ZeRO-3 group "
+            "must generate at least one row (pad the batch, or skip generate() on every rank)"
+        )
 
 
 _LOCKSTEP_CLASSES: dict[type, type] = {}
@@ -454,8 +506,9 @@ def _lockstep_class(cls: type, generation: bool = True) -> type:
     key = (cls, generation)
     if key not in _LOCKSTEP_CLASSES:
         bases = tuple(m for m in mixins if not issubclass(cls, m)) + (cls,)
-        _LOCKSTEP_CLASSES[key] = type(cls.__name__, bases, {"__module__": cls.__module__,
-                                                            "__qualname__": cls.__qualname__})
+        _LOCKSTEP_CLASSES[key] = type(
+            cls.__name__, bases, {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        )
     return _LOCKSTEP_CLASSES[key]
 
 
@@ -473,13 +526,21 @@ def is_generation_model(module: nn.Module) -> bool:
 def _generating_model(obj) -> nn.Module:
     module = _base_module(obj)
     if not is_generation_model(module):
-        raise TypeError(f"{type(module).__name__} is not a transformers generation model "
-                        "(no GenerationMixin)")
+        raise TypeError(f"{type(module).__name__} is not a transformers generation model (no GenerationMixin)")
     return module
 
 
-def lockstep(model, *, stop: str = "sync", sync_every: int = 1, gather: str = "auto",
-             group=None, decode: str = "auto", bucket: int = 64, graph_steps: int = 8):
+def lockstep(
+    model,
+    *,
+    stop: str = "sync",
+    sync_every: int = 1,
+    gather: str = "auto",
+    group=None,
+    decode: str = "auto",
+    bucket: int = 64,
+    graph_steps: int = 8,
+):
     """Make ``model.generate()`` run in lockstep under ZeRO-3, in place (no weights reloaded).
 
     ``model`` may be a transformers model, a PEFT-wrapped one, or a DeepSpeed engine (its
@@ -494,9 +555,18 @@ def lockstep(model, *, stop: str = "sync", sync_every: int = 1, gather: str = "a
     return model
 
 
-def lockstep_generate(model, *, stop: str = "sync", sync_every: int = 1, gather: str = "auto",
-                      group=None, decode: str = "auto", bucket: int = 64, graph_steps: int = 8,
-                      **generate_kwargs):
+def lockstep_generate(
+    model,
+    *,
+    stop: str = "sync",
+    sync_every: int = 1,
+    gather: str = "auto",
+    group=None,
+    decode: str = "auto",
+    bucket: int = 64,
+    graph_steps: int = 8,
+    **generate_kwargs,
+):
     """``model.generate(**generate_kwargs)`` in lockstep, leaving ``model``'s class as it was.
 
     ``model`` may be a transformers model, a PEFT model or a DeepSpeed engine. The settings are
@@ -506,8 +576,15 @@ def lockstep_generate(model, *, stop: str = "sync", sync_every: int = 1, gather:
     saved = target.__class__
     target.__class__ = _lockstep_class(saved)
     try:
-        return zero3.unwrap(model).generate(stop=stop, sync_every=sync_every, gather=gather, group=group,
-                                            decode=decode, bucket=bucket, graph_steps=graph_steps,
-                                            **generate_kwargs)
+        return zero3.unwrap(model).generate(
+            stop=stop,
+            sync_every=sync_every,
+            gather=gather,
+            group=group,
+            decode=decode,
+            bucket=bucket,
+            graph_steps=graph_steps,
+            **generate_kwargs,
+        )
     finally:
         target.__class__ = saved

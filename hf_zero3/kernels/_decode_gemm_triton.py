@@ -23,8 +23,9 @@ def l2_prefetch(P, rows, stride, R, k0, COLS: tl.constexpr):
     ptrs = P + tl.minimum(rows, R - 1)[:, None] * stride + (k0 + lines)[None, :]
     # one line and no backslash anywhere in a kernel's source: inductor embeds it in a string
     # literal, where an escape turns into the character (tests/cpu/test_triton_kernels_compile.py)
-    tl.inline_asm_elementwise("mov.u32 $0, 0; prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
+    tl.inline_asm_elementwise(
+        "mov.u32 $0, 0; prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+    )
 
 
 @triton.jit
@@ -59,9 +60,23 @@ def tile(P, rows, stride, k, rk, R, K: tl.constexpr, ROWS_IN: tl.constexpr, COLS
 
 
 @triton.jit
-def linear_kernel(X, W, O, M, N, sxm, swn, som, K: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  PDL: tl.constexpr, PREFETCH: tl.constexpr, EVEN: tl.constexpr):
+def linear_kernel(
+    X,
+    W,
+    O,
+    M,
+    N,
+    sxm,
+    swn,
+    som,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    EVEN: tl.constexpr,
+):
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     dependent_start(W, W, rn, swn, N, 0, PDL, PREFETCH, False)
@@ -69,14 +84,30 @@ def linear_kernel(X, W, O, M, N, sxm, swn, som, K: tl.constexpr,
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(0, K, BLOCK_K):
         acc += tl.dot(tile(X, rm, sxm, k, rk, M, K, False, EVEN), tl.trans(tile(W, rn, swn, k, rk, N, K, EVEN, EVEN)))
-    tl.store(O + rm[:, None] * som + rn[None, :], acc.to(O.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+    tl.store(
+        O + rm[:, None] * som + rn[None, :], acc.to(O.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N)
+    )
 
 
 @triton.jit
-def gate_up_kernel(X, WG, WU, O, M, N, sxm, swn, som, K: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   PDL: tl.constexpr, PREFETCH: tl.constexpr, EVEN: tl.constexpr):
+def gate_up_kernel(
+    X,
+    WG,
+    WU,
+    O,
+    M,
+    N,
+    sxm,
+    swn,
+    som,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    EVEN: tl.constexpr,
+):
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     dependent_start(WG, WU, rn, swn, N, 0, PDL, PREFETCH, True)
@@ -91,14 +122,33 @@ def gate_up_kernel(X, WG, WU, O, M, N, sxm, swn, som, K: tl.constexpr,
     g = gate.to(O.dtype.element_ty).to(tl.float32)
     u = up.to(O.dtype.element_ty).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(O.dtype.element_ty).to(tl.float32)
-    tl.store(O + rm[:, None] * som + rn[None, :], (act * u).to(O.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+    tl.store(
+        O + rm[:, None] * som + rn[None, :],
+        (act * u).to(O.dtype.element_ty),
+        mask=(rm[:, None] < M) & (rn[None, :] < N),
+    )
 
 
 @triton.jit
-def linear_split_kernel(X, W, P, M, N, sxm, swn, spk, spm, K: tl.constexpr, SPLIT: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PDL: tl.constexpr, PREFETCH: tl.constexpr, EVEN: tl.constexpr):
+def linear_split_kernel(
+    X,
+    W,
+    P,
+    M,
+    N,
+    sxm,
+    swn,
+    spk,
+    spm,
+    K: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    EVEN: tl.constexpr,
+):
     """Split-K ``x @ W.T``: program (n, s) reduces the s-th of ``SPLIT`` equal slices of the
     reduction and writes its float32 partial sum to ``P[s]`` (the consumer sums them)."""
     rm = tl.arange(0, BLOCK_M)
@@ -108,7 +158,9 @@ def linear_split_kernel(X, W, P, M, N, sxm, swn, spk, spm, K: tl.constexpr, SPLI
     dependent_start(W, W, rn, swn, N, k0, PDL, PREFETCH, False)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(0, K // SPLIT, BLOCK_K):
-        acc += tl.dot(tile(X, rm, sxm, k0 + k, rk, M, K, False, EVEN),
-                      tl.trans(tile(W, rn, swn, k0 + k, rk, N, K, EVEN, EVEN)))
-    tl.store(P + tl.program_id(1) * spk + rm[:, None] * spm + rn[None, :], acc,
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+        acc += tl.dot(
+            tile(X, rm, sxm, k0 + k, rk, M, K, False, EVEN), tl.trans(tile(W, rn, swn, k0 + k, rk, N, K, EVEN, EVEN))
+        )
+    tl.store(
+        P + tl.program_id(1) * spk + rm[:, None] * spm + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N)
+    )

@@ -37,6 +37,7 @@ def op(name: str, mutates_args: tuple[str, ...], fake):
     ``triton_op`` (``torch.compile`` traces into its Triton launch, CUDA graphs capture it), or under
     Triton's interpreter a ``custom_op`` with ``fake`` (same arguments, returns an empty output) as
     its shape function: a trace runs an op on fake tensors, which an interpreted kernel cannot read."""
+
     def wrap(fn):
         if not interpreted():
             return torch.library.triton_op(name, mutates_args=mutates_args)(fn)

@@ -37,21 +37,60 @@ import torch
 
 from . import _triton
 
-__all__ = ["is_available", "load", "linear", "gate_up_silu", "linear_split", "split_for", "DEFAULT", "CONFIGS",
-           "SPLIT_CONFIGS", "MAX_ROWS", "dependent_unavailable", "load_dependent", "prefetch_columns"]
+__all__ = [
+    "is_available",
+    "load",
+    "linear",
+    "gate_up_silu",
+    "linear_split",
+    "split_for",
+    "DEFAULT",
+    "CONFIGS",
+    "SPLIT_CONFIGS",
+    "MAX_ROWS",
+    "dependent_unavailable",
+    "load_dependent",
+    "prefetch_columns",
+]
 
 DEFAULT = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
 # the launch configurations the probe and autotuning try (each fits an H100/H200 SM's shared memory)
-CONFIGS = [dict(BLOCK_N=bn, BLOCK_K=bk, num_stages=st, num_warps=w) for bn, bk, st, w in [
-    (16, 128, 4, 4), (16, 256, 3, 4), (32, 128, 4, 4), (32, 256, 3, 4), (32, 128, 5, 4), (64, 128, 4, 4),
-    (64, 64, 5, 4), (32, 128, 4, 8), (16, 512, 2, 4), (64, 128, 3, 4), (64, 64, 4, 8),
-    (128, 64, 4, 8)]]
+CONFIGS = [
+    dict(BLOCK_N=bn, BLOCK_K=bk, num_stages=st, num_warps=w)
+    for bn, bk, st, w in [
+        (16, 128, 4, 4),
+        (16, 256, 3, 4),
+        (32, 128, 4, 4),
+        (32, 256, 3, 4),
+        (32, 128, 5, 4),
+        (64, 128, 4, 4),
+        (64, 64, 5, 4),
+        (32, 128, 4, 8),
+        (16, 512, 2, 4),
+        (64, 128, 3, 4),
+        (64, 64, 4, 8),
+        (128, 64, 4, 8),
+    ]
+]
 # split-K launches (SPLIT slices of the reduction, each a whole number of BLOCK_K): more programs
 # for weights with few output columns (o_proj, down) at the cost of float32 partials
-SPLIT_CONFIGS = [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT=sp, num_stages=st, num_warps=w) for bn, bk, sp, st, w in [
-    (64, 128, 4, 4, 4), (32, 128, 4, 4, 4), (64, 256, 4, 3, 4), (32, 256, 2, 3, 4), (64, 128, 8, 4, 4),
-    (128, 128, 4, 3, 8), (32, 128, 8, 4, 4), (32, 128, 2, 4, 4), (16, 128, 2, 4, 4), (16, 256, 2, 3, 4),
-    (32, 64, 4, 4, 4), (64, 64, 8, 4, 4)]]
+SPLIT_CONFIGS = [
+    dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT=sp, num_stages=st, num_warps=w)
+    for bn, bk, sp, st, w in [
+        (64, 128, 4, 4, 4),
+        (32, 128, 4, 4, 4),
+        (64, 256, 4, 3, 4),
+        (32, 256, 2, 3, 4),
+        (64, 128, 8, 4, 4),
+        (128, 128, 4, 3, 8),
+        (32, 128, 8, 4, 4),
+        (32, 128, 2, 4, 4),
+        (16, 128, 2, 4, 4),
+        (16, 256, 2, 3, 4),
+        (32, 64, 4, 4, 4),
+        (64, 64, 8, 4, 4),
+    ]
+]
 MAX_ROWS = 64
 _PLAIN = dict(PDL=False, PREFETCH=0)  # a plain launch's kernel arguments (no dependent start)
 _state: dict = {}
@@ -78,8 +117,9 @@ def _even(n: int, k: int, configs) -> bool:
     return all(n % c["BLOCK_N"] == 0 and k % c["BLOCK_K"] == 0 for c in configs)
 
 
-def _call(kernel, x: torch.Tensor, weights: tuple[torch.Tensor, ...], meta: dict,
-          dependent: dict | None = None) -> torch.Tensor:
+def _call(
+    kernel, x: torch.Tensor, weights: tuple[torch.Tensor, ...], meta: dict, dependent: dict | None = None
+) -> torch.Tensor:
     """Launch ``kernel`` over ``x`` (2-D, contiguous rows) and same-shaped ``weights``: one
     program per ``BLOCK_N`` output columns, ``meta`` the launch configuration (empty: the
     autotuner's); ``dependent``: a programmatic dependent launch's arguments (:func:`_dependent`),
@@ -94,8 +134,20 @@ def _call(kernel, x: torch.Tensor, weights: tuple[torch.Tensor, ...], meta: dict
     even = _even(n, k, [meta] if meta else CONFIGS) if even is None else even
     grid = (triton.cdiv(n, meta["BLOCK_N"]),) if meta else (lambda cfg: (triton.cdiv(n, cfg["BLOCK_N"]),))
     (kernel if dependent else _triton.launcher(kernel))[grid](
-        x, *weights, out, m, n, x.stride(0), weights[0].stride(0), out.stride(0), K=k,
-        BLOCK_M=max(16, triton.next_power_of_2(m)), EVEN=even, **meta, **(dependent or _PLAIN))
+        x,
+        *weights,
+        out,
+        m,
+        n,
+        x.stride(0),
+        weights[0].stride(0),
+        out.stride(0),
+        K=k,
+        BLOCK_M=max(16, triton.next_power_of_2(m)),
+        EVEN=even,
+        **meta,
+        **(dependent or _PLAIN),
+    )
     return out
 
 
@@ -111,8 +163,9 @@ def gate_up_silu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, cfg: dic
     return _call(_kernels()[1], x, (gate, up), cfg or DEFAULT)
 
 
-def _call_split(kernel, x: torch.Tensor, weight: torch.Tensor, split: int, meta: dict,
-                dependent: dict | None = None) -> torch.Tensor:
+def _call_split(
+    kernel, x: torch.Tensor, weight: torch.Tensor, split: int, meta: dict, dependent: dict | None = None
+) -> torch.Tensor:
     """Launch the split-K ``kernel``: one program per ``BLOCK_N`` output columns and reduction
     slice; float32 partials ``[split, rows, N]`` (``dependent``: as :func:`_call`'s)."""
     import triton
@@ -124,11 +177,26 @@ def _call_split(kernel, x: torch.Tensor, weight: torch.Tensor, split: int, meta:
     even = meta.pop("EVEN", None)  # given: the probe's masked tiles on a shape the blocks divide
     grid = (triton.cdiv(n, meta["BLOCK_N"]), split) if meta else (lambda cfg: (triton.cdiv(n, cfg["BLOCK_N"]), split))
     if even is None:  # the autotuner prunes the blocks that do not divide a slice (_split_prune)
-        even = k % split == 0 and _even(n, k // split, [meta] if meta else
-                                        [c for c in SPLIT_CONFIGS if (k // split) % c["BLOCK_K"] == 0])
+        even = k % split == 0 and _even(
+            n, k // split, [meta] if meta else [c for c in SPLIT_CONFIGS if (k // split) % c["BLOCK_K"] == 0]
+        )
     (kernel if dependent else _triton.launcher(kernel))[grid](
-        x, weight, out, m, n, x.stride(0), weight.stride(0), out.stride(0), out.stride(1), K=k, SPLIT=split,
-        BLOCK_M=max(16, triton.next_power_of_2(m)), EVEN=even, **meta, **(dependent or _PLAIN))
+        x,
+        weight,
+        out,
+        m,
+        n,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        out.stride(1),
+        K=k,
+        SPLIT=split,
+        BLOCK_M=max(16, triton.next_power_of_2(m)),
+        EVEN=even,
+        **meta,
+        **(dependent or _PLAIN),
+    )
     return out
 
 
@@ -138,8 +206,9 @@ def linear_split(x: torch.Tensor, weight: torch.Tensor, cfg: dict) -> torch.Tens
     configuration; the reduction length must be a multiple of ``SPLIT * BLOCK_K``."""
     k = x.shape[1]
     if k % (cfg["SPLIT"] * cfg["BLOCK_K"]):
-        raise ValueError(f"split-K needs the reduction ({k}) to be a multiple of SPLIT * BLOCK_K "
-                         f"({cfg['SPLIT']} * {cfg['BLOCK_K']})")
+        raise ValueError(
+            f"split-K needs the reduction ({k}) to be a multiple of SPLIT * BLOCK_K ({cfg['SPLIT']} * {cfg['BLOCK_K']})"
+        )
     return _call_split(_kernels()[2], x, weight, cfg["SPLIT"], {key: v for key, v in cfg.items() if key != "SPLIT"})
 
 
@@ -270,15 +339,23 @@ def _ops():
         tuned_linear, tuned_gate_up, tuned_split, fixed = linear_kernel, gate_up_kernel, split_kernel, DEFAULT
         fixed_split = dict(DEFAULT, BLOCK_K=64)
     else:
-        configs = [triton.Config({"BLOCK_N": c["BLOCK_N"], "BLOCK_K": c["BLOCK_K"]}, num_warps=c["num_warps"],
-                                 num_stages=c["num_stages"]) for c in CONFIGS]
+        configs = [
+            triton.Config(
+                {"BLOCK_N": c["BLOCK_N"], "BLOCK_K": c["BLOCK_K"]}, num_warps=c["num_warps"], num_stages=c["num_stages"]
+            )
+            for c in CONFIGS
+        ]
         tuned_linear = triton.autotune(configs=configs, key=["M", "N", "K"])(linear_kernel)
         tuned_gate_up = triton.autotune(configs=configs, key=["M", "N", "K"])(gate_up_kernel)
         split_configs = {(c["BLOCK_N"], c["BLOCK_K"], c["num_stages"], c["num_warps"]) for c in SPLIT_CONFIGS}
         tuned_split = triton.autotune(
-            configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_stages=st, num_warps=w)
-                     for bn, bk, st, w in sorted(split_configs)],
-            key=["M", "N", "K", "SPLIT"], prune_configs_by={"early_config_prune": _split_prune})(split_kernel)
+            configs=[
+                triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_stages=st, num_warps=w)
+                for bn, bk, st, w in sorted(split_configs)
+            ],
+            key=["M", "N", "K", "SPLIT"],
+            prune_configs_by={"early_config_prune": _split_prune},
+        )(split_kernel)
         fixed = fixed_split = {}
     _state["tuned"] = (tuned_gate_up, tuned_split)
 

@@ -36,8 +36,16 @@ import torch
 
 from . import _triton
 
-__all__ = ["NAME", "is_available", "unavailable_reason", "load", "supports", "pays", "gqa_decode_attention",
-           "rope_decode_attention"]
+__all__ = [
+    "NAME",
+    "is_available",
+    "unavailable_reason",
+    "load",
+    "supports",
+    "pays",
+    "gqa_decode_attention",
+    "rope_decode_attention",
+]
 
 NAME = "hf_zero3_gqa_decode_triton"
 BLOCK_S = 64  # cache positions per block
@@ -63,9 +71,13 @@ def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attent
     kv = key.shape[1]
     if q != 1 or h % kv or d > 256 or value.shape[-1] > 256 or key.shape[0] != b:
         return False
-    if attention_mask is not None and (attention_mask.dim() != 4 or attention_mask.shape[1] != 1
-                                       or attention_mask.shape[2] != 1 or attention_mask.shape[-1] < key.shape[-2]
-                                       or attention_mask.shape[0] not in (1, b)):
+    if attention_mask is not None and (
+        attention_mask.dim() != 4
+        or attention_mask.shape[1] != 1
+        or attention_mask.shape[2] != 1
+        or attention_mask.shape[-1] < key.shape[-2]
+        or attention_mask.shape[0] not in (1, b)
+    ):
         return False
     if key.dtype != query.dtype or value.dtype != query.dtype:
         return False
@@ -93,7 +105,8 @@ def load():
                 _state["op"] = _build()
                 if torch.cuda.is_available() and not _state["interpret"]:
                     _state["min_programs"] = torch.cuda.get_device_properties(
-                        torch.cuda.current_device()).multi_processor_count
+                        torch.cuda.current_device()
+                    ).multi_processor_count
             except Exception as exc:  # a Triton that does not build here
                 _state["error"] = f"building the Triton kernel failed: {type(exc).__name__}: {exc}"
         if "op" not in _state:
@@ -106,12 +119,37 @@ def _build():
     import triton.language as tl
 
     @triton.jit
-    def kernel(Q, K, V, M, O, scale,
-               sqb, sqh, skb, skh, sks, svb, svh, svs, smb, sms, sob, soh,
-               L: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-               BLOCK_D: tl.constexpr,
-               DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK: tl.constexpr, MASK: tl.constexpr,
-               PRECISION: tl.constexpr):
+    def kernel(
+        Q,
+        K,
+        V,
+        M,
+        O,
+        scale,
+        sqb,
+        sqh,
+        skb,
+        skh,
+        sks,
+        svb,
+        svh,
+        svs,
+        smb,
+        sms,
+        sob,
+        soh,
+        L: tl.constexpr,
+        KV: tl.constexpr,
+        G: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        DV: tl.constexpr,
+        BLOCK_DV: tl.constexpr,
+        BLOCK: tl.constexpr,
+        MASK: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
         pid = tl.program_id(0)
         b = pid // KV
         head = pid % KV
@@ -119,8 +157,9 @@ def _build():
         dd = tl.arange(0, BLOCK_D)
         dv = tl.arange(0, BLOCK_DV)
         rows = g < G
-        q = tl.load(Q + b * sqb + (head * G + g)[:, None] * sqh + dd[None, :],
-                    mask=rows[:, None] & (dd[None, :] < D), other=0.0)
+        q = tl.load(
+            Q + b * sqb + (head * G + g)[:, None] * sqh + dd[None, :], mask=rows[:, None] & (dd[None, :] < D), other=0.0
+        )
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
@@ -137,8 +176,11 @@ def _build():
                 valid = inside
                 bias = tl.zeros([BLOCK], tl.float32)
             if tl.max(valid.to(tl.int32), axis=0) > 0:  # a block with no position to attend is not read
-                k = tl.load(K + b * skb + head * skh + s[:, None] * sks + dd[None, :],
-                            mask=valid[:, None] & (dd[None, :] < D), other=0.0)
+                k = tl.load(
+                    K + b * skb + head * skh + s[:, None] * sks + dd[None, :],
+                    mask=valid[:, None] & (dd[None, :] < D),
+                    other=0.0,
+                )
                 # float32 whatever the scale arrives as (inductor passes a Python float as fp64)
                 qk = (tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale).to(tl.float32) + bias[None, :]
                 qk = tl.where(valid[None, :], qk, float("-inf"))
@@ -146,22 +188,69 @@ def _build():
                 p = tl.exp(qk - m_new[:, None])
                 alpha = tl.exp(m_i - m_new)
                 l_i = l_i * alpha + tl.sum(p, axis=1)
-                v = tl.load(V + b * svb + head * svh + s[:, None] * svs + dv[None, :],
-                            mask=valid[:, None] & (dv[None, :] < DV), other=0.0)
+                v = tl.load(
+                    V + b * svb + head * svh + s[:, None] * svs + dv[None, :],
+                    mask=valid[:, None] & (dv[None, :] < DV),
+                    other=0.0,
+                )
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
                 m_i = m_new
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(O + b * sob + (head * G + g)[:, None] * soh + dv[None, :], out.to(O.dtype.element_ty),
-                 mask=rows[:, None] & (dv[None, :] < DV))
+        tl.store(
+            O + b * sob + (head * G + g)[:, None] * soh + dv[None, :],
+            out.to(O.dtype.element_ty),
+            mask=rows[:, None] & (dv[None, :] < DV),
+        )
 
     @triton.jit
-    def rope_kernel(Q, KN, VN, COS, SIN, KC, VC, P, M, O, scale,
-                    sqp, sqb, sqh, sknp, sknb, sknh, svnp, svnb, svnh, scb, ssb, skb, skh, sks, svb, svh, svs,
-                    smb, sms, sob, soh,
-                    L: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-                    BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK: tl.constexpr,
-                    MASK: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr,
-                    EARLY: tl.constexpr):
+    def rope_kernel(
+        Q,
+        KN,
+        VN,
+        COS,
+        SIN,
+        KC,
+        VC,
+        P,
+        M,
+        O,
+        scale,
+        sqp,
+        sqb,
+        sqh,
+        sknp,
+        sknb,
+        sknh,
+        svnp,
+        svnb,
+        svnh,
+        scb,
+        ssb,
+        skb,
+        skh,
+        sks,
+        svb,
+        svh,
+        svs,
+        smb,
+        sms,
+        sob,
+        soh,
+        L: tl.constexpr,
+        KV: tl.constexpr,
+        G: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        DV: tl.constexpr,
+        BLOCK_DV: tl.constexpr,
+        BLOCK: tl.constexpr,
+        MASK: tl.constexpr,
+        PRECISION: tl.constexpr,
+        PDL: tl.constexpr,
+        SPLIT: tl.constexpr,
+        EARLY: tl.constexpr,
+    ):
         # SPLIT > 1: the query, key and value arrive as SPLIT float32 partial sums of their projection
         # (a split-K GEMM's, strides sqp/sknp/svnp apart); summed here and rounded to the cache's
         # dtype, as the projection would have returned them. Inlined sums, no helper: inductor
@@ -186,10 +275,16 @@ def _build():
         if EARLY:
             s0 = tl.arange(0, BLOCK)
             in0 = s0 < tl.minimum(pos, L)
-            kc0 = tl.load(KC + b * skb + head * skh + s0[:, None] * sks + dd[None, :],
-                          mask=in0[:, None] & in_d[None, :], other=0.0)
-            vc0 = tl.load(VC + b * svb + head * svh + s0[:, None] * svs + dv[None, :],
-                          mask=in0[:, None] & in_dv[None, :], other=0.0)
+            kc0 = tl.load(
+                KC + b * skb + head * skh + s0[:, None] * sks + dd[None, :],
+                mask=in0[:, None] & in_d[None, :],
+                other=0.0,
+            )
+            vc0 = tl.load(
+                VC + b * svb + head * svh + s0[:, None] * svs + dv[None, :],
+                mask=in0[:, None] & in_dv[None, :],
+                other=0.0,
+            )
         if PDL:  # a programmatic dependent launch: wait for the kernel before, release the one after
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -269,10 +364,16 @@ def _build():
             else:
                 valid = inside
                 bias = tl.zeros([BLOCK], tl.float32)
-            kc = tl.load(KC + b * skb + head * skh + s[:, None] * sks + dd[None, :],
-                         mask=inside[:, None] & in_d[None, :], other=0.0)
-            vc = tl.load(VC + b * svb + head * svh + s[:, None] * svs + dv[None, :],
-                         mask=inside[:, None] & in_dv[None, :], other=0.0)
+            kc = tl.load(
+                KC + b * skb + head * skh + s[:, None] * sks + dd[None, :],
+                mask=inside[:, None] & in_d[None, :],
+                other=0.0,
+            )
+            vc = tl.load(
+                VC + b * svb + head * svh + s[:, None] * svs + dv[None, :],
+                mask=inside[:, None] & in_dv[None, :],
+                other=0.0,
+            )
             qk = (tl.dot(q, tl.trans(kc), input_precision=PRECISION) * scale).to(tl.float32) + bias[None, :]
             qk = tl.where(valid[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, axis=1))
@@ -287,17 +388,28 @@ def _build():
             tl.store(KC + b * skb + head * skh + pos * sks + dd, k_new, mask=in_d)
             tl.store(VC + b * svb + head * svh + pos * svs + dv, v_new.to(VC.dtype.element_ty), mask=in_dv)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(O + b * sob + (head * G + g)[:, None] * soh + dv[None, :], out.to(O.dtype.element_ty),
-                 mask=rows[:, None] & in_dv[None, :])
+        tl.store(
+            O + b * sob + (head * G + g)[:, None] * soh + dv[None, :],
+            out.to(O.dtype.element_ty),
+            mask=rows[:, None] & in_dv[None, :],
+        )
 
     launch = _triton.launcher(kernel)
     launch_rope = _triton.launcher(rope_kernel)
 
     def meta(heads, dtype, key_heads, d, dv, launch):
         group = heads // key_heads
-        return dict(KV=key_heads, G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=d,
-                    BLOCK_D=max(16, triton.next_power_of_2(d)), DV=dv, BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-                    PRECISION="ieee" if dtype == torch.float32 else "tf32", **{**LAUNCH, **launch})
+        return dict(
+            KV=key_heads,
+            G=group,
+            BLOCK_G=max(16, triton.next_power_of_2(group)),
+            D=d,
+            BLOCK_D=max(16, triton.next_power_of_2(d)),
+            DV=dv,
+            BLOCK_DV=max(16, triton.next_power_of_2(dv)),
+            PRECISION="ieee" if dtype == torch.float32 else "tf32",
+            **{**LAUNCH, **launch},
+        )
 
     def rope_out(query, key, value, cos, sin, key_cache, value_cache, position, mask, mask_kind, scale):
         return value_cache.new_empty(query.shape[-3], 1, query.shape[-2], value_cache.shape[-1])
@@ -314,32 +426,92 @@ def _build():
         out = torch.empty(b, 1, h, dv, dtype=value_cache.dtype, device=query.device)
         mb = mask.stride(0) if mask.shape[0] == b else 0
         launch_rope[(b * kv,)](
-            query, key, value, cos, sin, key_cache, value_cache, position, mask, out, scale,
-            *parts(query), *parts(key), *parts(value),
-            cos.stride(0) if cos.shape[0] == b else 0, sin.stride(0) if sin.shape[0] == b else 0,
-            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-            value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), mb, mask.stride(3),
-            out.stride(0), out.stride(2), L=length, MASK=mask_kind, SPLIT=query.shape[0] if query.dim() == 4 else 1,
-            **meta(h, key_cache.dtype, kv, d, dv, launch))
+            query,
+            key,
+            value,
+            cos,
+            sin,
+            key_cache,
+            value_cache,
+            position,
+            mask,
+            out,
+            scale,
+            *parts(query),
+            *parts(key),
+            *parts(value),
+            cos.stride(0) if cos.shape[0] == b else 0,
+            sin.stride(0) if sin.shape[0] == b else 0,
+            key_cache.stride(0),
+            key_cache.stride(1),
+            key_cache.stride(2),
+            value_cache.stride(0),
+            value_cache.stride(1),
+            value_cache.stride(2),
+            mb,
+            mask.stride(3),
+            out.stride(0),
+            out.stride(2),
+            L=length,
+            MASK=mask_kind,
+            SPLIT=query.shape[0] if query.dim() == 4 else 1,
+            **meta(h, key_cache.dtype, kv, d, dv, launch),
+        )
         return out
 
     @_triton.op("hf_zero3::gqa_decode_rope_attention", ("key_cache", "value_cache"), rope_out)
-    def rope_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                key_cache: torch.Tensor, value_cache: torch.Tensor, position: torch.Tensor, mask: torch.Tensor,
-                mask_kind: int, scale: float) -> torch.Tensor:
+    def rope_op(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        position: torch.Tensor,
+        mask: torch.Tensor,
+        mask_kind: int,
+        scale: float,
+    ) -> torch.Tensor:
         return rope_run(query, key, value, cos, sin, key_cache, value_cache, position, mask, mask_kind, scale)
 
     _state["rope_op"], _state["rope_run"] = rope_op, rope_run  # rope_run: the probe's launch settings
     if not _triton.interpreted():
-        @torch.library.custom_op("hf_zero3::gqa_decode_rope_attention_dependent",
-                                 mutates_args=("key_cache", "value_cache"))
-        def rope_dependent(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
-                           sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                           position: torch.Tensor, mask: torch.Tensor, mask_kind: int, scale: float) -> torch.Tensor:
+
+        @torch.library.custom_op(
+            "hf_zero3::gqa_decode_rope_attention_dependent", mutates_args=("key_cache", "value_cache")
+        )
+        def rope_dependent(
+            query: torch.Tensor,
+            key: torch.Tensor,
+            value: torch.Tensor,
+            cos: torch.Tensor,
+            sin: torch.Tensor,
+            key_cache: torch.Tensor,
+            value_cache: torch.Tensor,
+            position: torch.Tensor,
+            mask: torch.Tensor,
+            mask_kind: int,
+            scale: float,
+        ) -> torch.Tensor:
             # launched here, not through inductor's call of a triton_op kernel (which takes no
             # launch attributes); a CUDA graph captures it as any kernel
-            return rope_run(query, key, value, cos, sin, key_cache, value_cache, position, mask, mask_kind, scale,
-                            PDL=True, launch_pdl=True, **_one_wave(query.shape[-3] * key_cache.shape[1], query.device))
+            return rope_run(
+                query,
+                key,
+                value,
+                cos,
+                sin,
+                key_cache,
+                value_cache,
+                position,
+                mask,
+                mask_kind,
+                scale,
+                PDL=True,
+                launch_pdl=True,
+                **_one_wave(query.shape[-3] * key_cache.shape[1], query.device),
+            )
 
         rope_dependent.register_fake(rope_out)
         _state["rope_dependent_op"] = rope_dependent
@@ -349,18 +521,37 @@ def _build():
         return query.new_empty(query.shape[0], 1, query.shape[1], value.shape[-1])
 
     @_triton.op("hf_zero3::gqa_decode_attention", (), out_like)
-    def op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, mask_kind: int,
-           scale: float) -> torch.Tensor:
+    def op(
+        query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, mask_kind: int, scale: float
+    ) -> torch.Tensor:
         b, h, _, d = query.shape
         kv, length = key.shape[1], key.shape[2]
         dv = value.shape[-1]
         out = torch.empty(b, 1, h, dv, dtype=query.dtype, device=query.device)
         mb = mask.stride(0) if mask.shape[0] == b else 0  # a mask of one row serves every row
         launch[(b * kv,)](
-            query, key, value, mask, out, scale,
-            query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),
-            value.stride(0), value.stride(1), value.stride(2), mb, mask.stride(3), out.stride(0), out.stride(2),
-            L=length, MASK=mask_kind, **meta(h, query.dtype, kv, d, dv, {}))
+            query,
+            key,
+            value,
+            mask,
+            out,
+            scale,
+            query.stride(0),
+            query.stride(1),
+            key.stride(0),
+            key.stride(1),
+            key.stride(2),
+            value.stride(0),
+            value.stride(1),
+            value.stride(2),
+            mb,
+            mask.stride(3),
+            out.stride(0),
+            out.stride(2),
+            L=length,
+            MASK=mask_kind,
+            **meta(h, query.dtype, kv, d, dv, {}),
+        )
         return out
 
     return op
@@ -376,8 +567,9 @@ def _inputs(query, key, value, attention_mask, length: int) -> tuple:
     return query, key, value, mask, 1 if mask.dtype == torch.bool else 2
 
 
-def gqa_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
-                         scaling: float) -> torch.Tensor:
+def gqa_decode_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, scaling: float
+) -> torch.Tensor:
     """``query`` (batch, heads, 1, dim), ``key``/``value`` (batch, kv_heads, length, dim), a
     (batch or 1, 1, 1, >= length) mask (boolean: True attends; else additive) or None; returns
     (batch, 1, heads, value dim) like transformers' attention functions. Check :func:`supports`
@@ -399,10 +591,19 @@ def _one_wave(programs: int, device) -> dict:
     return {"num_warps": 2} if programs > 2 * sms else {}
 
 
-def rope_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
-                          sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                          position: torch.Tensor, attention_mask, scaling: float,
-                          dependent: bool = False) -> torch.Tensor:
+def rope_decode_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    position: torch.Tensor,
+    attention_mask,
+    scaling: float,
+    dependent: bool = False,
+) -> torch.Tensor:
     """One decode token's attention with its rotary embedding and its cache write in the same
     kernel: ``query`` (batch, heads, dim) and the new ``key`` (batch, kv_heads, dim) before the
     rotary embedding (``cos``/``sin``: (batch or 1, dim), transformers' rotate-half form), the new

@@ -7,10 +7,16 @@ from .configs import STRICT_ZERO3, strict_zero3_config, trainer_zero3_config
 from .launcher import DistributedFailure, RankReport, free_port, mark, run_ranks
 
 __all__ = [
-    "STRICT_ZERO3", "strict_zero3_config", "trainer_zero3_config",
-    "DistributedFailure", "RankReport", "free_port", "mark", "run_ranks",
+    "STRICT_ZERO3",
+    "strict_zero3_config",
+    "trainer_zero3_config",
+    "DistributedFailure",
+    "RankReport",
+    "free_port",
+    "mark",
+    "run_ranks",
 ]
 
 from .spy import CollectiveSpy  # noqa: E402
 
-__all__.append("CollectiveSpy")
+__all__ += ["CollectiveSpy"]

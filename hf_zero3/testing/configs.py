@@ -22,8 +22,13 @@ STRICT_ZERO3 = {
 
 
 def strict_zero3_config(
-    *, micro_batch_size: int = 1, world_size: int = 1, grad_accum: int = 1, lr: float = 1e-3,
-    bf16: bool = False, extra: dict[str, Any] | None = None,
+    *,
+    micro_batch_size: int = 1,
+    world_size: int = 1,
+    grad_accum: int = 1,
+    lr: float = 1e-3,
+    bf16: bool = False,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A ZeRO-3 config in which nothing stays gathered between uses (see module docstring).
 
@@ -50,8 +55,7 @@ def trainer_zero3_config(*, extra: dict[str, Any] | None = None) -> dict[str, An
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
         "train_batch_size": "auto",
-        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True,
-                                                  "weight_decay": "auto"}},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True, "weight_decay": "auto"}},
         "zero_optimization": copy.deepcopy(STRICT_ZERO3),
         "steps_per_print": 10**9,
     }

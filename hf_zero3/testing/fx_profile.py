@@ -25,8 +25,16 @@ from torch.utils import _pytree as pytree
 
 from hf_zero3.compile.planner import GATHER, RELEASE
 
-__all__ = ["gather", "release", "RecordedProfile", "record_zero3_graph", "record_tiny_model", "record_tiny_backward",
-           "collective_issue", "STAND_IN_OPS"]
+__all__ = [
+    "gather",
+    "release",
+    "RecordedProfile",
+    "record_zero3_graph",
+    "record_tiny_model",
+    "record_tiny_backward",
+    "collective_issue",
+    "STAND_IN_OPS",
+]
 
 GATHER_LATENCY = 20e-6
 GATHER_BANDWIDTH = 25e9
@@ -50,7 +58,7 @@ class RecordedProfile:
     """Fields named as DeepCompile's ``ProfilingResult`` (forward graph only)."""
 
     fwd_graph: object
-    fwd_mem: list = field(default_factory=list)   # (name, alloc after, delta, peak)
+    fwd_mem: list = field(default_factory=list)  # (name, alloc after, delta, peak)
     fwd_time: list = field(default_factory=list)  # (name, device ms, wall ms)
     fwd_tensor_sizes: list = field(default_factory=list)  # (name, bytes)
     process_group: object = None
@@ -62,8 +70,9 @@ def _nbytes(v) -> int:
     return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
 
 
-def record_zero3_graph(model: torch.nn.Module, input_ids: torch.Tensor, world_size: int = 2,
-                       repeats: int = 3) -> RecordedProfile:
+def record_zero3_graph(
+    model: torch.nn.Module, input_ids: torch.Tensor, world_size: int = 2, repeats: int = 3
+) -> RecordedProfile:
     """Trace, insert gathers/releases, and profile ``model(input_ids).logits`` on CPU."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -78,7 +87,7 @@ def record_zero3_graph(model: torch.nn.Module, input_ids: torch.Tensor, world_si
     inputs = tuple(pytree.tree_leaves((params, input_ids)))
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"][:len(params)]
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"][: len(params)]
     shard_bytes = 0
     for ds_id, (ph, p) in enumerate(zip(placeholders, params.values())):
         shard_bytes += _nbytes(p) // world_size

@@ -80,8 +80,10 @@ class DistributedFailure(AssertionError):
         return {r.rank: r.outcome for r in self.reports}
 
     def _format(self) -> str:
-        lines = [f"distributed run failed after {self.elapsed:.1f}s: "
-                 + ", ".join(f"rank {r.rank} {r.outcome}" for r in self.reports)]
+        lines = [
+            f"distributed run failed after {self.elapsed:.1f}s: "
+            + ", ".join(f"rank {r.rank} {r.outcome}" for r in self.reports)
+        ]
         lines += [r.describe() for r in self.reports]
         return "\n".join(lines)
 
@@ -136,8 +138,20 @@ def run_ranks(
         for rank in range(world_size):
             p = ctx.Process(
                 target=_rank_main,
-                args=(fn, rank, world_size, port, workdir, args, kwargs or {}, pg_timeout,
-                      backend, init, {**os.environ, **(env or {})}, capture),
+                args=(
+                    fn,
+                    rank,
+                    world_size,
+                    port,
+                    workdir,
+                    args,
+                    kwargs or {},
+                    pg_timeout,
+                    backend,
+                    init,
+                    {**os.environ, **(env or {})},
+                    capture,
+                ),
                 name=f"hf_zero3-rank{rank}",
             )
             p.start()
@@ -166,16 +180,16 @@ def run_ranks(
 
 def _context(method: str):
     if method not in multiprocessing.get_all_start_methods():
-        raise ValueError(f"start_method {method!r} is not available here; use one of "
-                         f"{multiprocessing.get_all_start_methods()}")
+        raise ValueError(
+            f"start_method {method!r} is not available here; use one of {multiprocessing.get_all_start_methods()}"
+        )
     ctx = multiprocessing.get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload(["hf_zero3.testing.rank_imports"])
     return ctx
 
 
-def _rank_main(fn, rank, world_size, port, workdir, args, kwargs, pg_timeout, backend, init,
-               env, capture):
+def _rank_main(fn, rank, world_size, port, workdir, args, kwargs, pg_timeout, backend, init, env, capture):
     """``env`` is the caller's whole environment at launch (plus the run's ``env``): a forked
     rank would otherwise see the fork server's, taken when it started."""
     global _STATE_FILE
@@ -190,11 +204,17 @@ def _rank_main(fn, rank, world_size, port, workdir, args, kwargs, pg_timeout, ba
     _STATE_FILE = os.path.join(workdir, f"rank{rank}.state")
     os.environ.clear()
     os.environ.update(env)
-    os.environ.update({
-        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port), "HF_ZERO3_PG_TIMEOUT": str(pg_timeout),
-    })
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "HF_ZERO3_PG_TIMEOUT": str(pg_timeout),
+        }
+    )
     if backend == "gloo":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
@@ -253,8 +273,7 @@ def _report(rank, proc, workdir, hung) -> RankReport:
         outcome = ERROR
     else:
         outcome = DIED
-    return RankReport(rank, outcome, None if hung else proc.exitcode, read("state"), error,
-                      read("stack"), read("log"))
+    return RankReport(rank, outcome, None if hung else proc.exitcode, read("state"), error, read("stack"), read("log"))
 
 
 def _load(path):

@@ -20,10 +20,20 @@ _LIVE_DS_CONFIGS: list[Any] = []
 def tiny_llama_config(**overrides):
     from transformers import LlamaConfig
 
-    kw = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-              bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
-              attn_implementation="eager")
+    kw = dict(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
     kw.update(overrides)
     return LlamaConfig(**kw)
 
@@ -31,10 +41,20 @@ def tiny_llama_config(**overrides):
 def tiny_qwen2_config(**overrides):
     from transformers import Qwen2Config
 
-    kw = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-              bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True,
-              attn_implementation="eager")
+    kw = dict(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=True,
+        attn_implementation="eager",
+    )
     kw.update(overrides)
     return Qwen2Config(**kw)
 
@@ -42,9 +62,19 @@ def tiny_qwen2_config(**overrides):
 def tiny_t5_config(**overrides):
     from transformers import T5Config
 
-    kw = dict(vocab_size=96, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
-              num_heads=4, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
-              relative_attention_num_buckets=8)
+    kw = dict(
+        vocab_size=96,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+        relative_attention_num_buckets=8,
+    )
     kw.update(overrides)
     return T5Config(**kw)
 
@@ -53,8 +83,9 @@ def model_class_for(config):
     """The generation model class for a tiny config (imported before any ``zero.Init``)."""
     import transformers
 
-    name = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "t5": "T5ForConditionalGeneration"}[config.model_type]
+    name = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "t5": "T5ForConditionalGeneration"}[
+        config.model_type
+    ]
     return getattr(transformers, name)
 
 

@@ -6,8 +6,16 @@ from __future__ import annotations
 import functools
 from collections import Counter
 
-_OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
-        "barrier", "all_gather_object", "all_reduce_coalesced")
+_OPS = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "barrier",
+    "all_gather_object",
+    "all_reduce_coalesced",
+)
 
 
 class CollectiveSpy:

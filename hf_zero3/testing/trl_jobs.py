@@ -34,10 +34,24 @@ from .spy import ForwardCounter
 TOOL_CALL = '<tool_call>{"name":"ping","arguments":{}}</tool_call>'
 
 _SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2: pad, bos, eos
-_MARKUP = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>",
-           "</think>"]  # plain added tokens, as in Qwen2.5's vocabulary
-_PROMPTS = ["Say hi.", "Count to 3.", "Name a color.", "Add 2 and 2.", "Spell cat.",
-            "Pick a number.", "Say bye.", "Name a fruit."]
+_MARKUP = [
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+]  # plain added tokens, as in Qwen2.5's vocabulary
+_PROMPTS = [
+    "Say hi.",
+    "Count to 3.",
+    "Name a color.",
+    "Add 2 and 2.",
+    "Spell cat.",
+    "Pick a number.",
+    "Say bye.",
+    "Name a fruit.",
+]
 
 
 def tiny_tokenizer():
@@ -61,8 +75,12 @@ def tiny_tokenizer():
     backend.add_special_tokens(_SPECIAL)
     backend.add_tokens(_MARKUP)
     return PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token=_SPECIAL[0], bos_token=_SPECIAL[1],
-        eos_token=_SPECIAL[2], chat_template=qwen2_5_chat_template)
+        tokenizer_object=backend,
+        pad_token=_SPECIAL[0],
+        bos_token=_SPECIAL[1],
+        eos_token=_SPECIAL[2],
+        chat_template=qwen2_5_chat_template,
+    )
 
 
 def ping() -> str:
@@ -117,8 +135,7 @@ class _Scripted(LogitsProcessor):
 
     def __call__(self, input_ids, scores):
         if self.plans is None:  # from the first step's rows: they may outnumber the prompts
-            self.plans = [self.script.plan(row[: self.prompt_len].tolist(), self.rank)
-                          for row in input_ids]
+            self.plans = [self.script.plan(row[: self.prompt_len].tolist(), self.rank) for row in input_ids]
         step = input_ids.shape[1] - self.prompt_len
         for row, (forced, banned) in enumerate(self.plans):
             if step < len(forced) and forced[step] is not None:
@@ -145,7 +162,8 @@ class ScriptedQwen2ForCausalLM(Qwen2ForCausalLM):
         if self.script is not None:
             prompt_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
             kwargs["logits_processor"] = LogitsProcessorList(
-                [*(kwargs.get("logits_processor") or []), self.script.processor(prompt_ids)])
+                [*(kwargs.get("logits_processor") or []), self.script.processor(prompt_ids)]
+            )
 
         counter = ForwardCounter(self)
         try:
@@ -177,9 +195,19 @@ def _model(tokenizer, *, script: str | None = None, teacher: bool = False, seed:
 def _args(cls, tmpdir: str, **overrides):
     """``cls`` (a TRL config) with its defaults, changed only where a tiny CPU run needs it."""
     torch.set_num_threads(1)  # two ranks share a small CPU
-    kw = dict(output_dir=tmpdir, use_cpu=True, bf16=False, deepspeed=trainer_zero3_config(),
-              per_device_train_batch_size=2, max_steps=2, report_to=[], save_strategy="no",
-              logging_steps=1, disable_tqdm=True, dataloader_num_workers=0)
+    kw = dict(
+        output_dir=tmpdir,
+        use_cpu=True,
+        bf16=False,
+        deepspeed=trainer_zero3_config(),
+        per_device_train_batch_size=2,
+        max_steps=2,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
     kw.update(overrides)
     return cls(**kw)
 
@@ -193,13 +221,26 @@ def _prompts(n: int = 8):
 def _conversations(n: int = 8):
     from datasets import Dataset
 
-    return Dataset.from_dict({"messages": [
-        [{"role": "user", "content": p}, {"role": "assistant", "content": f"ok {i}"}]
-        for i, p in enumerate(_PROMPTS[:n])]})
+    return Dataset.from_dict(
+        {
+            "messages": [
+                [{"role": "user", "content": p}, {"role": "assistant", "content": f"ok {i}"}]
+                for i, p in enumerate(_PROMPTS[:n])
+            ]
+        }
+    )
 
 
-def grpo_trainer(tmpdir: str, *, gather: bool = True, tools: bool = False,
-                 diverge_eos: bool = False, peft: bool = False, evaluate: bool = False, callbacks=()):
+def grpo_trainer(
+    tmpdir: str,
+    *,
+    gather: bool = True,
+    tools: bool = False,
+    diverge_eos: bool = False,
+    peft: bool = False,
+    evaluate: bool = False,
+    callbacks=(),
+):
     """``trl.GRPOTrainer`` (2 prompts x 2 generations per step, 16 new tokens, 2 steps).
 
     ``gather``: ``ds3_gather_for_generation``. ``tools=True`` passes ``tools=[ping]`` and scripts
@@ -219,15 +260,27 @@ def grpo_trainer(tmpdir: str, *, gather: bool = True, tools: bool = False,
         peft_config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
 
     evals = dict(eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=2) if evaluate else {}
-    args = _args(GRPOConfig, tmpdir, num_generations=2, max_completion_length=80 if tools else 16,
-                 ds3_gather_for_generation=gather, **evals)
+    args = _args(
+        GRPOConfig,
+        tmpdir,
+        num_generations=2,
+        max_completion_length=80 if tools else 16,
+        ds3_gather_for_generation=gather,
+        **evals,
+    )
     tok = tiny_tokenizer()
     model = _model(tok, script="tool" if tools else "eos" if diverge_eos else None)
-    return GRPOTrainer(model=model, reward_funcs=length_reward, args=args,
-                       train_dataset=_prompts(), eval_dataset=_prompts(4) if evaluate else None,
-                       processing_class=tok,
-                       tools=[ping] if tools else None, callbacks=list(callbacks),
-                       peft_config=peft_config)
+    return GRPOTrainer(
+        model=model,
+        reward_funcs=length_reward,
+        args=args,
+        train_dataset=_prompts(),
+        eval_dataset=_prompts(4) if evaluate else None,
+        processing_class=tok,
+        tools=[ping] if tools else None,
+        callbacks=list(callbacks),
+        peft_config=peft_config,
+    )
 
 
 def rloo_trainer(tmpdir: str, *, diverge_eos: bool = False, evaluate: bool = False, callbacks=()):
@@ -240,9 +293,15 @@ def rloo_trainer(tmpdir: str, *, diverge_eos: bool = False, evaluate: bool = Fal
     args = _args(RLOOConfig, tmpdir, num_generations=2, max_completion_length=16, beta=0.0, **evals)
     tok = tiny_tokenizer()
     model = _model(tok, script="eos" if diverge_eos else None)
-    return RLOOTrainer(model=model, reward_funcs=length_reward, args=args, train_dataset=_prompts(),
-                       eval_dataset=_prompts(4) if evaluate else None, processing_class=tok,
-                       callbacks=list(callbacks))
+    return RLOOTrainer(
+        model=model,
+        reward_funcs=length_reward,
+        args=args,
+        train_dataset=_prompts(),
+        eval_dataset=_prompts(4) if evaluate else None,
+        processing_class=tok,
+        callbacks=list(callbacks),
+    )
 
 
 class DivergentDraws(TrainerCallback):
@@ -261,8 +320,7 @@ class DivergentDraws(TrainerCallback):
         if state.global_step != 0:
             return
         on_policy = dist.get_rank() == 0
-        seed = next(s for s in range(10_000)
-                    if (random.Random(s).random() <= self.lmbda) == on_policy)
+        seed = next(s for s in range(10_000) if (random.Random(s).random() <= self.lmbda) == on_policy)
         random.seed(seed)
         self.first_draw = random.Random(seed).random()
 
@@ -293,8 +351,9 @@ class GraphCount(TrainerCallback):
         self.counts.append(dynamo_graph_count())
 
 
-def gkd_trainer(tmpdir: str, *, lmbda: float = 0.5, divergent_draws: bool = True,
-                diverge_eos: bool = False, callbacks=()):
+def gkd_trainer(
+    tmpdir: str, *, lmbda: float = 0.5, divergent_draws: bool = True, diverge_eos: bool = False, callbacks=()
+):
     """``trl.experimental.gkd.GKDTrainer`` with a tiny teacher (8 new tokens, 2 steps).
 
     GKD draws ``random.random() <= lmbda`` on every rank independently in ``training_step``;
@@ -307,8 +366,14 @@ def gkd_trainer(tmpdir: str, *, lmbda: float = 0.5, divergent_draws: bool = True
     model = _model(tok, script="eos" if diverge_eos else None)
     teacher = _model(tok, teacher=True, seed=1)
     callbacks = list(callbacks) + ([DivergentDraws(lmbda)] if divergent_draws else [])
-    return GKDTrainer(model=model, teacher_model=teacher, args=args,
-                      train_dataset=_conversations(), processing_class=tok, callbacks=callbacks)
+    return GKDTrainer(
+        model=model,
+        teacher_model=teacher,
+        args=args,
+        train_dataset=_conversations(),
+        processing_class=tok,
+        callbacks=callbacks,
+    )
 
 
 def gold_trainer(tmpdir: str, *, lmbda: float = 1.0, diverge_eos: bool = False, callbacks=()):
@@ -323,28 +388,47 @@ def gold_trainer(tmpdir: str, *, lmbda: float = 1.0, diverge_eos: bool = False, 
     tok = tiny_tokenizer()
     model = _model(tok, script="eos" if diverge_eos else None)
     teacher = _model(tok, teacher=True, seed=1)
-    return GOLDTrainer(model=model, teacher_model=teacher, args=args,
-                       train_dataset=_conversations(), processing_class=tok,
-                       callbacks=list(callbacks))
+    return GOLDTrainer(
+        model=model,
+        teacher_model=teacher,
+        args=args,
+        train_dataset=_conversations(),
+        processing_class=tok,
+        callbacks=list(callbacks),
+    )
 
 
-def distillation_trainer(tmpdir: str, *, gather: bool = True, tools: bool = False,
-                         diverge_eos: bool = False, evaluate: bool = False, callbacks=()):
+def distillation_trainer(
+    tmpdir: str,
+    *,
+    gather: bool = True,
+    tools: bool = False,
+    diverge_eos: bool = False,
+    evaluate: bool = False,
+    callbacks=(),
+):
     """``trl.DistillationTrainer`` (fully on-policy) with a tiny teacher; options as in
     :func:`grpo_trainer`."""
     from trl import DistillationConfig, DistillationTrainer
 
     # 4 eval prompts, batch 1: 2 eval batches a rank, the second generating inside the first's region
     evals = dict(eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=1) if evaluate else {}
-    args = _args(DistillationConfig, tmpdir, max_completion_length=80 if tools else 16,
-                 ds3_gather_for_generation=gather, **evals)
+    args = _args(
+        DistillationConfig, tmpdir, max_completion_length=80 if tools else 16, ds3_gather_for_generation=gather, **evals
+    )
     tok = tiny_tokenizer()
     model = _model(tok, script="tool" if tools else "eos" if diverge_eos else None)
     teacher = _model(tok, teacher=True, seed=1)
-    return DistillationTrainer(model=model, teacher_model=teacher, args=args,
-                               train_dataset=_prompts(), eval_dataset=_prompts(4) if evaluate else None,
-                               processing_class=tok,
-                               tools=[ping] if tools else None, callbacks=list(callbacks))
+    return DistillationTrainer(
+        model=model,
+        teacher_model=teacher,
+        args=args,
+        train_dataset=_prompts(),
+        eval_dataset=_prompts(4) if evaluate else None,
+        processing_class=tok,
+        tools=[ping] if tools else None,
+        callbacks=list(callbacks),
+    )
 
 
 def _result(trainer) -> dict:
@@ -356,9 +440,13 @@ def _result(trainer) -> dict:
     model = extract_model_from_parallel(trainer.model)
     stats = getattr(model, "generate_stats", None) or {"calls": 0, "forwards": 0, "per_call": []}
     logs = trainer.state.log_history
-    return {"losses": [h["loss"] for h in logs if "loss" in h], "logs": logs,
-            "generate_calls": stats["calls"], "decode_forwards": stats["forwards"],
-            "forwards_per_call": list(stats["per_call"])}
+    return {
+        "losses": [h["loss"] for h in logs if "loss" in h],
+        "logs": logs,
+        "generate_calls": stats["calls"],
+        "decode_forwards": stats["forwards"],
+        "forwards_per_call": list(stats["per_call"]),
+    }
 
 
 def _train(build, *args, **kwargs) -> dict:

@@ -60,8 +60,16 @@ class Zero3Safe(TrainerCallback):
             :mod:`hf_zero3.generation.compiled_decode`.
     """
 
-    def __init__(self, gather: str = "auto", stop: str = "sync", sync_every: int = 1,
-                 strict_versions: bool = False, memory_plan: bool = True, trl: bool = True, decode: str = "auto"):
+    def __init__(
+        self,
+        gather: str = "auto",
+        stop: str = "sync",
+        sync_every: int = 1,
+        strict_versions: bool = False,
+        memory_plan: bool = True,
+        trl: bool = True,
+        decode: str = "auto",
+    ):
         if gather not in GATHER_MODES:
             raise ValueError(f"gather must be one of {GATHER_MODES}, not {gather!r}")
         self.lockstep = LockstepConfig(stop, sync_every, gather, decode=decode).validate()
@@ -124,8 +132,10 @@ class Zero3Safe(TrainerCallback):
             rt.lockstep = self.lockstep
         elif not getattr(self, "_said_no_generate", False):
             self._said_no_generate = True
-            log.info("hf_zero3.Zero3Safe: %s has no generate(); protecting its eval/predict forwards only",
-                     type(target).__name__)
+            log.info(
+                "hf_zero3.Zero3Safe: %s has no generate(); protecting its eval/predict forwards only",
+                type(target).__name__,
+            )
 
     def _attach_engine(self) -> None:
         trainer = self.trainer
@@ -190,7 +200,9 @@ class Zero3Safe(TrainerCallback):
                 "DeepCompile is enabled in the DeepSpeed config (compile.deepcompile=true) but the "
                 "engine was never compiled, so training runs eager ZeRO-3 (slower, and DeepCompile's "
                 "memory settings are ignored). Set TrainingArguments(torch_compile=True) or call "
-                "engine.compile().", stacklevel=2)
+                "engine.compile().",
+                stacklevel=2,
+            )
 
 
 def _collective_entry(callback: Zero3Safe, name: str, original):

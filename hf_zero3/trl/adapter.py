@@ -95,12 +95,18 @@ def apply(trainer, zero3safe=None):
         zero3safe.bind(trainer, trainer.model)
         trainer.add_callback(zero3safe)
     adapted = []
-    patches.install("trl.models.utils.add_hooks: not on DeepCompile engines",
-                    lambda: trl_up.wrap_module_function(trl_up.ADD_HOOKS, _skip_on_deepcompile))
-    patches.install("trl.models.utils._unwrap_model_for_generation: release the eval region first",
-                    lambda: trl_up.wrap_module_function(trl_up.UNWRAP_FOR_GENERATION, _release_eval_region))
-    patches.install("transformers.PreTrainedModel.enable_input_require_grads: replace, not add",
-                    hf_up.replace_input_grad_hooks_on_enable)
+    patches.install(
+        "trl.models.utils.add_hooks: not on DeepCompile engines",
+        lambda: trl_up.wrap_module_function(trl_up.ADD_HOOKS, _skip_on_deepcompile),
+    )
+    patches.install(
+        "trl.models.utils._unwrap_model_for_generation: release the eval region first",
+        lambda: trl_up.wrap_module_function(trl_up.UNWRAP_FOR_GENERATION, _release_eval_region),
+    )
+    patches.install(
+        "transformers.PreTrainedModel.enable_input_require_grads: replace, not add",
+        hf_up.replace_input_grad_hooks_on_enable,
+    )
     trainer._hf_zero3_trl_adapted = True  # Zero3Safe.on_train_begin calls before_training
     if _deepcompile_training(trainer):
         before_training(trainer)  # apply() after construction; else TRL adds its head later in __init__
@@ -112,8 +118,10 @@ def apply(trainer, zero3safe=None):
         _agree_draws(trainer)
         adapted.append("draws")
     # completion-logging callbacks are added after the trainer exists (they take it as an argument)
-    patches.install("trl.trainer.callbacks._generate_completions: even split",
-                    lambda: trl_up.wrap_module_function(trl_up.GENERATE_COMPLETIONS, _evenly_split))
+    patches.install(
+        "trl.trainer.callbacks._generate_completions: even split",
+        lambda: trl_up.wrap_module_function(trl_up.GENERATE_COMPLETIONS, _evenly_split),
+    )
     adapted.append("completion_logging")
     log.info("hf_zero3.trl: %s adapted: %s", type(trainer).__name__, ", ".join(adapted) or "generation only")
     return adapted
@@ -130,9 +138,12 @@ def before_training(trainer) -> bool:
     align_lengths(trainer)
     if getattr(trainer, trl_up.PAD_TO_MULTIPLE_OF, False) is None:
         setattr(trainer, trl_up.PAD_TO_MULTIPLE_OF, DEEPCOMPILE_PAD_TO_MULTIPLE_OF)
-        log.info("hf_zero3.trl: DeepCompile compiles one graph per sequence length: %s pads prompts and completions "
-                 "to a multiple of %d (set pad_to_multiple_of in its config to choose; 1 = no padding)", type(trainer).__name__,
-                 DEEPCOMPILE_PAD_TO_MULTIPLE_OF)
+        log.info(
+            "hf_zero3.trl: DeepCompile compiles one graph per sequence length: %s pads prompts and completions "
+            "to a multiple of %d (set pad_to_multiple_of in its config to choose; 1 = no padding)",
+            type(trainer).__name__,
+            DEEPCOMPILE_PAD_TO_MULTIPLE_OF,
+        )
     return replace_fused_head(trainer.model)
 
 
@@ -147,8 +158,10 @@ def align_lengths(trainer) -> bool:
     if score is None or generate is None:
         return False
     for module in trl_up.PAD_USERS:  # again after an unpatch(): the instance wrappers outlive it
-        patches.install(f"{module}.pad: the group's length while aligning",
-                        functools.partial(trl_up.wrap_module_function, (module, "pad"), _padded_to_group))
+        patches.install(
+            f"{module}.pad: the group's length while aligning",
+            functools.partial(trl_up.wrap_module_function, (module, "pad"), _padded_to_group),
+        )
     if getattr(score, "_hf_zero3", False):
         return True
 
@@ -189,9 +202,9 @@ def _padded_to_group(pad):
             return out
         grown = out.new_full((out.shape[0], longest, *out.shape[2:]), padding_value)
         if padding_side == "left":
-            grown[:, longest - out.shape[1]:] = out
+            grown[:, longest - out.shape[1] :] = out
         else:
-            grown[:, :out.shape[1]] = out
+            grown[:, : out.shape[1]] = out
         return grown
 
     return wrapped
@@ -203,7 +216,9 @@ def _deepcompile_training(trainer) -> bool:
     from .._upstream.transformers import trainer_deepspeed_config
 
     config = trainer_deepspeed_config(trainer) or {}
-    return bool((config.get("compile") or {}).get("deepcompile")) and bool(getattr(trainer.args, "torch_compile", False))
+    return bool((config.get("compile") or {}).get("deepcompile")) and bool(
+        getattr(trainer.args, "torch_compile", False)
+    )
 
 
 def _runtime(trainer):

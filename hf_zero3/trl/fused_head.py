@@ -31,8 +31,9 @@ __all__ = ["replace_fused_head", "logits_head_outputs"]
 log = logging.getLogger("hf_zero3.trl")
 
 
-def logits_head_outputs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
-                        outputs: tuple = ("log_probs",)) -> dict:
+def logits_head_outputs(
+    logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0, outputs: tuple = ("log_probs",)
+) -> dict:
     """TRL's per-token fields (``log_probs``, ``entropy``, ``log_sum_sq_probs``, ``mean_logits``,
     ``is_top1``; 0 where ``labels == -100``) from already-shifted ``logits`` [B, T, V] and ``labels``
     [B, T]: ``z = logits / temperature``. The model's forward has applied its own logit scale and
@@ -65,11 +66,16 @@ def replace_fused_head(model) -> bool:
         if settings is None:
             continue
         if settings["cast_lm_head_to_fp32"]:
-            log.warning("hf_zero3.trl: cast_lm_head_to_fp32 is not honoured by the logits-based LM head used under "
-                        "DeepCompile: the LM head projects in the model's dtype, the log-softmax runs in fp32")
+            log.warning(
+                "hf_zero3.trl: cast_lm_head_to_fp32 is not honoured by the logits-based LM head used under "
+                "DeepCompile: the LM head projects in the model's dtype, the log-softmax runs in fp32"
+            )
         target.forward = types.MethodType(_logits_forward(settings), target)
-        log.info("hf_zero3.trl: %s's fused LM head replaced by a logits-based one (DeepCompile compiles the LM "
-                 "head with the backbone; the logits are materialized)", type(target).__name__)
+        log.info(
+            "hf_zero3.trl: %s's fused LM head replaced by a logits-based one (DeepCompile compiles the LM "
+            "head with the backbone; the logits are materialized)",
+            type(target).__name__,
+        )
         return True
     return False
 
@@ -91,11 +97,13 @@ def _logits_forward(s: dict):
     original_forward = s["original_forward"]
     output_cls = trl_up.fused_output_class()
 
-    def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None,
-                **kwargs):
+    def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
         if not fused_lm_head:
-            for name, value in (("labels", labels), ("shift_labels", shift_labels),
-                                ("num_items_in_batch", num_items_in_batch)):
+            for name, value in (
+                ("labels", labels),
+                ("shift_labels", shift_labels),
+                ("num_items_in_batch", num_items_in_batch),
+            ):
                 if value is not None:
                     kwargs[name] = value
             return original_forward(*args, **kwargs)
@@ -111,8 +119,9 @@ def _logits_forward(s: dict):
         labels = labels.to(logits.device)
         fields = logits_head_outputs(logits, labels, temperature=s["temperature"], outputs=tuple(s["outputs"]))
         mask = fields["label_mask"]
-        loss = -fields["log_probs"].sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None
-                                             else num_items_in_batch)
+        loss = -fields["log_probs"].sum() / (
+            mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        )
         aux_loss = getattr(out, "aux_loss", None)
         if aux_loss is not None and kwargs.get("output_router_logits"):
             loss = loss + s["router_aux_loss_coef"] * aux_loss

@@ -21,11 +21,11 @@ FAST = 5.0  # seconds: an error shared by agreement must arrive well before any 
 
 #: kwargs that the *last* rank passes to lockstep_generate on top of a valid call
 BAD_ARGUMENTS = {
-    "stop_typo": {"stop": "eventually"},                            # hf_zero3's own refusals
+    "stop_typo": {"stop": "eventually"},  # hf_zero3's own refusals
     "assisted_decoding": {"prompt_lookup_num_tokens": 2},
     "max_time_with_fixed": {"max_time": 5.0, "stop": "fixed"},
     "max_length_budget": {"max_new_tokens": None, "max_length": 3},
-    "stop_strings_without_tokenizer": {"stop_strings": ["x"]},      # transformers' own checks
+    "stop_strings_without_tokenizer": {"stop_strings": ["x"]},  # transformers' own checks
     "num_return_sequences": {"num_return_sequences": 3},
     "max_new_tokens_0": {"max_new_tokens": 0},
     "empty_batch": {"input_ids": torch.zeros((0, 4), dtype=torch.long)},
@@ -55,8 +55,13 @@ def _one_rank_bad_argument():
                 hf_zero3.lockstep_generate(engine, **kw)
             out[name] = dict(raised=None)
         except Exception as exc:  # noqa: BLE001 - what every rank raised is the result
-            out[name] = dict(raised=type(exc).__name__, shared=isinstance(exc, RankFailure), message=str(exc),
-                             value_error=isinstance(exc, ValueError), seconds=time.perf_counter() - start)
+            out[name] = dict(
+                raised=type(exc).__name__,
+                shared=isinstance(exc, RankFailure),
+                message=str(exc),
+                value_error=isinstance(exc, ValueError),
+                seconds=time.perf_counter() - start,
+            )
     mark("a clean call after every failure")
     with torch.no_grad():
         got = hf_zero3.lockstep_generate(engine, input_ids=ids, max_new_tokens=4, pad_token_id=0, eos_token_id=None)
@@ -147,13 +152,19 @@ def _seq2seq_long_prompt_on_one_rank(tmpdir):
         trainer.predict(Prompts())
         return dict(raised=None)
     except Exception as exc:  # noqa: BLE001
-        return dict(raised=type(exc).__name__, shared=isinstance(exc, RankFailure), message=str(exc),
-                    seconds=time.perf_counter() - start, rank=dist.get_rank())
+        return dict(
+            raised=type(exc).__name__,
+            shared=isinstance(exc, RankFailure),
+            message=str(exc),
+            seconds=time.perf_counter() - start,
+            rank=dist.get_rank(),
+        )
 
 
 def test_seq2seq_trainer_long_prompt_on_one_rank_raises_everywhere(tmp_path):
-    res = run_ranks(_seq2seq_long_prompt_on_one_rank, 2, args=(str(tmp_path),), init="deepspeed", timeout=200,
-                    pg_timeout=30)
+    res = run_ranks(
+        _seq2seq_long_prompt_on_one_rank, 2, args=(str(tmp_path),), init="deepspeed", timeout=200, pg_timeout=30
+    )
     assert len({r["message"] for r in res}) == 1
     for r in res:
         assert r["shared"] and "rank 1 " in r["message"] and r["seconds"] < FAST, r
@@ -183,13 +194,18 @@ def _out_of_step():
                 fn()
             out[name] = dict(raised=None)
         except Exception as exc:  # noqa: BLE001
-            out[name] = dict(raised=type(exc).__name__, divergence=isinstance(exc, RankDivergenceError),
-                             message=str(exc), seconds=time.perf_counter() - start)
+            out[name] = dict(
+                raised=type(exc).__name__,
+                divergence=isinstance(exc, RankDivergenceError),
+                message=str(exc),
+                seconds=time.perf_counter() - start,
+            )
 
     attempt("stop_differs", lambda: hf_zero3.lockstep_generate(engine, stop="fixed" if rank == 0 else "sync", **gen))
     attempt("sync_every_differs", lambda: hf_zero3.lockstep_generate(engine, sync_every=1 + rank, **gen))
-    attempt("gather_differs", lambda: hf_zero3.lockstep_generate(
-        engine, gather="all" if rank == 0 else "layerwise", **gen))
+    attempt(
+        "gather_differs", lambda: hf_zero3.lockstep_generate(engine, gather="all" if rank == 0 else "layerwise", **gen)
+    )
     # an extra generate() on rank 0; rank 1's next hf_zero3 operation is an eval region
     hf_zero3.lockstep(engine)
 
@@ -224,9 +240,15 @@ def out_of_step_results(request):
     return run_ranks(_out_of_step, request.param, timeout=200, pg_timeout=20)
 
 
-@pytest.mark.parametrize("case,differs", [("stop_differs", "stop"), ("sync_every_differs", "sync_every"),
-                                          ("gather_differs", "gather"),
-                                          ("extra_generate_on_one_rank", "operation")])
+@pytest.mark.parametrize(
+    "case,differs",
+    [
+        ("stop_differs", "stop"),
+        ("sync_every_differs", "sync_every"),
+        ("gather_differs", "gather"),
+        ("extra_generate_on_one_rank", "operation"),
+    ],
+)
 def test_ranks_out_of_step_raise_a_named_divergence_quickly(out_of_step_results, case, differs):
     for r in out_of_step_results:
         res = r[case]
@@ -248,7 +270,7 @@ def _untagged_agreements_control():
     if dist.get_rank() == 0:
         dist.all_reduce(torch.tensor([6, -6]))  # its next call's budget agreement
     else:
-        dist.all_reduce(torch.tensor([1]))      # the other's stop agreement
+        dist.all_reduce(torch.tensor([1]))  # the other's stop agreement
     dist.barrier()
 
 
@@ -406,8 +428,15 @@ def _exceptions_release_state():
     start = time.perf_counter()
     try:
         with torch.no_grad():
-            hf_zero3.lockstep_generate(engine, input_ids=ids, max_new_tokens=8, pad_token_id=0, eos_token_id=None,
-                                       gather="all", logits_processor=LogitsProcessorList([Fail()]))
+            hf_zero3.lockstep_generate(
+                engine,
+                input_ids=ids,
+                max_new_tokens=8,
+                pad_token_id=0,
+                eos_token_id=None,
+                gather="all",
+                logits_processor=LogitsProcessorList([Fail()]),
+            )
     except RankFailure as exc:
         out["midcall_error"], out["midcall_seconds"] = str(exc), time.perf_counter() - start
     out["midcall_partitioned"], out["midcall_hooks"] = partitioned(), hooks()
@@ -453,8 +482,12 @@ def _failed_evaluate(tmpdir):
         error = None
     except RankFailure as exc:
         error = str(exc)
-    state = dict(error=error, region_open=active_plan(model) is not None, hooks_same=hooks() == before,
-                 partitioned=all(p.numel() == 0 for p in model.parameters()))
+    state = dict(
+        error=error,
+        region_open=active_plan(model) is not None,
+        hooks_same=hooks() == before,
+        partitioned=all(p.numel() == 0 for p in model.parameters()),
+    )
     trainer.compute_metrics = None
     state["eval_loss_after"] = trainer.evaluate()["eval_loss"]
     return state

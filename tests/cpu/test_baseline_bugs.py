@@ -24,22 +24,27 @@ def _raw_generate_then_collective(hf_aware: bool, synced_gpus):
     kwargs = {} if synced_gpus is None else {"synced_gpus": synced_gpus}
     mark(f"generate (EOS expected at step {sc.early[0][1] if dist.get_rank() == 0 else 'never'})")
     with torch.no_grad():
-        engine.module.generate(torch.tensor([prompt]), max_new_tokens=sc.steps, do_sample=False,
-                               eos_token_id=sc.eos_token_id, **kwargs)
+        engine.module.generate(
+            torch.tensor([prompt]), max_new_tokens=sc.steps, do_sample=False, eos_token_id=sc.eos_token_id, **kwargs
+        )
     mark("after generate: all_reduce")
     dist.all_reduce(torch.ones(1))
     mark("done")
 
 
-@pytest.mark.parametrize("hf_aware,synced_gpus", [
-    pytest.param(True, False, id="hf-zero3-config-synced_gpus-False"),
-    pytest.param(False, None, id="engine-only-synced_gpus-default"),
-])
+@pytest.mark.parametrize(
+    "hf_aware,synced_gpus",
+    [
+        pytest.param(True, False, id="hf-zero3-config-synced_gpus-False"),
+        pytest.param(False, None, id="engine-only-synced_gpus-default"),
+    ],
+)
 def test_raw_generate_deadlocks_on_divergent_eos(hf_aware, synced_gpus):
     start = time.monotonic()
     with pytest.raises(DistributedFailure) as info:
-        run_ranks(_raw_generate_then_collective, 2, args=(hf_aware, synced_gpus),
-                  init="deepspeed", timeout=50, pg_timeout=8)
+        run_ranks(
+            _raw_generate_then_collective, 2, args=(hf_aware, synced_gpus), init="deepspeed", timeout=50, pg_timeout=8
+        )
     elapsed = time.monotonic() - start
     assert elapsed < 60
     err = info.value

@@ -35,10 +35,21 @@ def _compiled_two_ranks():
         stats = engine.module.hf_zero3_last_generate
         with torch.no_grad():
             exp = ref.generate(input_ids=ids, **gen)
-        results[name] = dict(out=out.tolist(), exp=exp.tolist(), forwards=counter.take(), decode=stats.decode,
-                             reason=stats.decode_reason, compiles=stats.compiles, gather=stats.gather,
-                             stat_forwards=stats.forwards, loop=stats.loop, loop_reason=stats.loop_reason,
-                             extra=stats.extra_forwards, agreements=stats.agreements, prefill=stats.prefill)
+        results[name] = dict(
+            out=out.tolist(),
+            exp=exp.tolist(),
+            forwards=counter.take(),
+            decode=stats.decode,
+            reason=stats.decode_reason,
+            compiles=stats.compiles,
+            gather=stats.gather,
+            stat_forwards=stats.forwards,
+            loop=stats.loop,
+            loop_reason=stats.loop_reason,
+            extra=stats.extra_forwards,
+            agreements=stats.agreements,
+            prefill=stats.prefill,
+        )
 
     prompt = early_prompt if rank == 0 else sc.late[0]
     run("eager", prompt, gather="all", decode="eager")
@@ -71,8 +82,14 @@ def _compiled_two_ranks():
     run("beams", prompt, gather="all", decode="compiled", num_beams=2)
     run("auto_cpu", prompt, gather="all", decode="auto")
     # max_length only: ranks' prompts differ, the group runs the largest budget: no static cache
-    run("max_length_only", prompt, gather="all", decode="compiled", max_new_tokens=None,
-        max_length=len(prompt) + sc.steps)
+    run(
+        "max_length_only",
+        prompt,
+        gather="all",
+        decode="compiled",
+        max_new_tokens=None,
+        max_length=len(prompt) + sc.steps,
+    )
     mark("done")
     return results
 
@@ -108,13 +125,21 @@ def test_run_ahead_agreements_keep_the_tokens_agreements_and_counted_forwards(re
     forwards and agreements as transformers' loop; the model ran one forward more than counted
     where the group stopped before its budget (the dropped step), none in stop="fixed"."""
     for r in results:
-        for name, eager in (("compiled_ahead", "eager"), ("compiled_sync3_ahead", "eager_sync3"),
-                            ("compiled_fixed_ahead", "eager_fixed"), ("compiled_early_ahead", "eager_early")):
+        for name, eager in (
+            ("compiled_ahead", "eager"),
+            ("compiled_sync3_ahead", "eager_sync3"),
+            ("compiled_fixed_ahead", "eager_fixed"),
+            ("compiled_early_ahead", "eager_early"),
+        ):
             assert r[name]["loop"] == "hf_zero3", r[name]
             for key in ("out", "stat_forwards", "extra", "agreements"):
                 assert r[name][key] == r[eager][key], (name, key, r[name][key], r[eager][key])
             dropped = 1 if name != "compiled_fixed_ahead" and r[eager]["stat_forwards"] < r["steps"] else 0
-            assert r[name]["forwards"] == r[eager]["forwards"] + dropped, (name, r[name]["forwards"], r[eager]["forwards"])
+            assert r[name]["forwards"] == r[eager]["forwards"] + dropped, (
+                name,
+                r[name]["forwards"],
+                r[eager]["forwards"],
+            )
     assert results[0]["eager_early"]["stat_forwards"] < results[0]["steps"]  # stopped early: a step dropped
 
 
@@ -182,14 +207,22 @@ def _grpo_compiled_rank(tmpdir: str, diverge_eos: bool):
     trainer.train()
     last = hf_zero3.runtime_of(trainer.model).last_generate
     res = trl_jobs._result(trainer)
-    return dict(decode=last.decode, reason=last.decode_reason, gather=last.gather, losses=res["losses"],
-                forwards=res["forwards_per_call"], loop=last.loop, loop_reason=last.loop_reason)
+    return dict(
+        decode=last.decode,
+        reason=last.decode_reason,
+        gather=last.gather,
+        losses=res["losses"],
+        forwards=res["forwards_per_call"],
+        loop=last.loop,
+        loop_reason=last.loop_reason,
+    )
 
 
 @pytest.mark.parametrize("diverge_eos", [False, True])
 def test_trl_grpo_rollouts_take_the_compiled_path(tmp_path, diverge_eos):
-    r0, r1 = run_ranks(_grpo_compiled_rank, 2, args=(str(tmp_path), diverge_eos), init="deepspeed", timeout=420,
-                       pg_timeout=60)
+    r0, r1 = run_ranks(
+        _grpo_compiled_rank, 2, args=(str(tmp_path), diverge_eos), init="deepspeed", timeout=420, pg_timeout=60
+    )
     for r in (r0, r1):
         assert r["gather"] == "held" and r["decode"] == "compiled", r
         if diverge_eos:  # the harness's rank-keyed EOS script is a Python logits processor: transformers' loop
@@ -210,8 +243,15 @@ def _batch_sizes_rank():
     for b in (1, 2, 3, 4, 2):
         ids = torch.randint(3, engine.module.config.vocab_size, (b, 6), generator=torch.Generator().manual_seed(b))
         with torch.no_grad():
-            hf_zero3.lockstep_generate(engine, input_ids=ids, max_new_tokens=8, pad_token_id=0, eos_token_id=None,
-                                       gather="all", decode="compiled")
+            hf_zero3.lockstep_generate(
+                engine,
+                input_ids=ids,
+                max_new_tokens=8,
+                pad_token_id=0,
+                eos_token_id=None,
+                gather="all",
+                decode="compiled",
+            )
         stats = engine.module.hf_zero3_last_generate
         out.append((b, stats.decode, stats.compiles))
     return out
@@ -243,8 +283,9 @@ def _static_loop_batches_rank():
     width = max(len(r) for r in rows)
     ids = torch.tensor([[0] * (width - len(r)) + list(r) for r in rows])  # left padding, as TRL pads prompts
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    gen = dict(input_ids=ids, attention_mask=mask, max_new_tokens=sc.steps, eos_token_id=sc.eos_token_id,
-               pad_token_id=0)
+    gen = dict(
+        input_ids=ids, attention_mask=mask, max_new_tokens=sc.steps, eos_token_id=sc.eos_token_id, pad_token_id=0
+    )
     out = {}
 
     def run(name, seed=None, **kw):
@@ -254,11 +295,22 @@ def _static_loop_batches_rank():
         with torch.no_grad():
             got = hf_zero3.lockstep_generate(engine, gather="all", sync_every=2, **{**gen, **kw})
         s = engine.module.hf_zero3_last_generate
-        out[name] = dict(out=got.tolist(), loop=s.loop, loop_reason=s.loop_reason, decode=s.decode,
-                         reason=s.decode_reason, forwards=s.forwards, extra=s.extra_forwards,
-                         reused=s.loop_reused, attention=s.attention, fused=s.fused_projections,
-                         prefill=s.prefill, prefill_reason=s.prefill_reason, compiles=s.compiles,
-                         rope=s.rope_attention)
+        out[name] = dict(
+            out=got.tolist(),
+            loop=s.loop,
+            loop_reason=s.loop_reason,
+            decode=s.decode,
+            reason=s.decode_reason,
+            forwards=s.forwards,
+            extra=s.extra_forwards,
+            reused=s.loop_reused,
+            attention=s.attention,
+            fused=s.fused_projections,
+            prefill=s.prefill,
+            prefill_reason=s.prefill_reason,
+            compiles=s.compiles,
+            rope=s.rope_attention,
+        )
 
     run("eager", decode="eager")
     run("compiled", decode="compiled")

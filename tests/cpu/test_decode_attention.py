@@ -50,8 +50,10 @@ def test_other_shapes_are_transformers_sdpa(attn):
 
     _, module = attn
     q, k, v, keep = _inputs(q_len=4)  # a prompt, not one decode token
-    torch.testing.assert_close(attention(module, q, k, v, keep, scaling=module.scaling)[0],
-                               sdpa_attention_forward(module, q, k, v, keep, scaling=module.scaling)[0])
+    torch.testing.assert_close(
+        attention(module, q, k, v, keep, scaling=module.scaling)[0],
+        sdpa_attention_forward(module, q, k, v, keep, scaling=module.scaling)[0],
+    )
 
 
 def test_applies_only_to_gqa_models_and_use_restores_the_config(attn):

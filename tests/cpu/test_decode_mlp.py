@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 
 triton = pytest.importorskip("triton", reason="the kernel tests need Triton (installed with the test extra)")
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="a GPU host: the GPU benchmark runs the kernels compiled (conftest sets the "
-                                       "interpreter on CPU-only hosts)")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="a GPU host: the GPU benchmark runs the kernels compiled (conftest sets the interpreter on CPU-only hosts)",
+)
 
 
 @pytest.mark.parametrize("rows,n,k", [(3, 40, 70), (8, 64, 256), (17, 33, 130), (64, 48, 96)])
@@ -31,9 +32,14 @@ def test_kernels_equal_f_linear(rows, n, k):
         torch.testing.assert_close(decode_gemm.linear(x, w, cfg), F.linear(x, w), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("rows,n,k,cfg", [(3, 40, 256, dict(BLOCK_N=16, BLOCK_K=64, SPLIT=4)),
-                                          (64, 48, 512, dict(BLOCK_N=32, BLOCK_K=128, SPLIT=2)),
-                                          (17, 33, 128, dict(BLOCK_N=16, BLOCK_K=32, SPLIT=4))])
+@pytest.mark.parametrize(
+    "rows,n,k,cfg",
+    [
+        (3, 40, 256, dict(BLOCK_N=16, BLOCK_K=64, SPLIT=4)),
+        (64, 48, 512, dict(BLOCK_N=32, BLOCK_K=128, SPLIT=2)),
+        (17, 33, 128, dict(BLOCK_N=16, BLOCK_K=32, SPLIT=4)),
+    ],
+)
 def test_split_k_partials_sum_to_f_linear(rows, n, k, cfg):
     from hf_zero3.kernels import decode_gemm
 

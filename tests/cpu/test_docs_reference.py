@@ -32,8 +32,10 @@ DOCS = ROOT / "docs"
 PACKAGE = ROOT / "hf_zero3"
 
 _ENV_NAME = re.compile(r"\bHF_ZERO3_[A-Z0-9_]*[A-Z0-9]\b")
-_ENV_READ = re.compile(r"""(?:environ\.get|getenv)\(\s*["']([A-Z][A-Z0-9_]+)["']"""
-                       r"""|environ\[\s*["']([A-Z][A-Z0-9_]+)["']\s*\]""")
+_ENV_READ = re.compile(
+    r"""(?:environ\.get|getenv)\(\s*["']([A-Z][A-Z0-9_]+)["']"""
+    r"""|environ\[\s*["']([A-Z][A-Z0-9_]+)["']\s*\]"""
+)
 #: ``HF_ZERO3_*`` names in the sources that are not environment variables (documented as such on the page).
 NOT_ENV = {"HF_ZERO3_WITH_CUDA"}  # a preprocessor define passed to the compiler as -DHF_ZERO3_WITH_CUDA
 
@@ -84,6 +86,7 @@ def _ticked(cell: str) -> str | None:
 
 
 # -- (a) environment variables ------------------------------------------------------------------
+
 
 def _sources() -> list[Path]:
     files = sorted(PACKAGE.rglob("*.py")) + sorted((ROOT / "csrc").rglob("*"))
@@ -153,8 +156,14 @@ def test_non_variables_are_explained_not_tabled():
 
 # -- (b) API reference --------------------------------------------------------------------------
 
-PUBLIC_MODULES = ("hf_zero3", "hf_zero3.trl", "hf_zero3.accelerate", "hf_zero3.compile", "hf_zero3.generation",
-                  "hf_zero3.errors")
+PUBLIC_MODULES = (
+    "hf_zero3",
+    "hf_zero3.trl",
+    "hf_zero3.accelerate",
+    "hf_zero3.compile",
+    "hf_zero3.generation",
+    "hf_zero3.errors",
+)
 
 
 def _api_entries() -> list[str]:
@@ -204,6 +213,7 @@ def test_api_entries_resolve_and_are_unique():
 
 # -- (c) options --------------------------------------------------------------------------------
 
+
 def _option_rows(section: str) -> dict[str, list[str]]:
     sections = _sections(_page("reference/options.md"))
     assert section in sections, f"options.md has no '## `{section}`' section (has {sorted(sections)})"
@@ -225,8 +235,11 @@ def _check_rows(section: str, names_defaults: dict, default_column: int | None) 
     assert not missing, f"options.md section {section!r} lacks rows for {missing}"
     if default_column is None:
         return
-    bad = [(n, rows[n][default_column], _py_default(d)) for n, d in names_defaults.items()
-           if d is not inspect.Parameter.empty and _ticked(rows[n][default_column]) != _py_default(d)]
+    bad = [
+        (n, rows[n][default_column], _py_default(d))
+        for n, d in names_defaults.items()
+        if d is not inspect.Parameter.empty and _ticked(rows[n][default_column]) != _py_default(d)
+    ]
     assert not bad, f"options.md section {section!r}: (name, documented default, code default): {bad}"
 
 
@@ -266,6 +279,7 @@ def test_zero3_deepspeed_plugin_fields():
 
 
 # -- (d) errors ---------------------------------------------------------------------------------
+
 
 def _exception_classes(files) -> set[str]:
     """Names of the exception classes defined (``class X(...)``) in ``files``, by their bases."""
@@ -353,8 +367,9 @@ def test_decode_fallback_reasons_are_listed():
     checked, missing = 0, []
     for rel, names in REASON_SOURCES:
         tree = ast.parse((PACKAGE / rel).read_text(encoding="utf-8"))
-        funcs = [n for n in ast.walk(tree)
-                 if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name in names]
+        funcs = [
+            n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name in names
+        ]
         assert {f.name for f in funcs} == set(names), f"{rel}: functions {names} not all found"
         for func in funcs:
             for node in _reason_nodes(func):

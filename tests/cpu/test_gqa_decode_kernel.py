@@ -9,9 +9,10 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton", reason="the kernel tests need Triton (installed with the test extra)")
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="a GPU host: tests/gpu runs the kernel compiled (conftest sets the interpreter "
-                                       "on CPU-only hosts)")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="a GPU host: tests/gpu runs the kernel compiled (conftest sets the interpreter on CPU-only hosts)",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -29,24 +30,27 @@ def _case(seed, batch, heads, kv, dim, length, dim_v=None):
     v = torch.randn(batch, kv, length, dim_v or dim, generator=g)
     keep = torch.zeros(batch, 1, 1, length, dtype=torch.bool)
     for i in range(batch):
-        keep[i, ..., 3 * i: max(3 * i + 1, length - 70 - i)] = True  # left padding, an unfilled tail
+        keep[i, ..., 3 * i : max(3 * i + 1, length - 70 - i)] = True  # left padding, an unfilled tail
     return q, k, v, keep
 
 
-@pytest.mark.parametrize("batch,heads,kv,dim,length,dim_v", [
-    (3, 8, 2, 16, 70, None),    # a tail block with no position to attend (skipped)
-    (2, 12, 4, 64, 200, None),  # four blocks, the last partly outside the cache
-    (1, 6, 3, 80, 33, None),    # a head dim that is no power of two, one block
-    (2, 4, 4, 16, 20, None),    # one query head per key/value head
-    (2, 8, 2, 32, 90, 16),      # a value head dim of its own
-])
+@pytest.mark.parametrize(
+    "batch,heads,kv,dim,length,dim_v",
+    [
+        (3, 8, 2, 16, 70, None),  # a tail block with no position to attend (skipped)
+        (2, 12, 4, 64, 200, None),  # four blocks, the last partly outside the cache
+        (1, 6, 3, 80, 33, None),  # a head dim that is no power of two, one block
+        (2, 4, 4, 16, 20, None),  # one query head per key/value head
+        (2, 8, 2, 32, 90, 16),  # a value head dim of its own
+    ],
+)
 def test_kernel_equals_the_pytorch_form(batch, heads, kv, dim, length, dim_v):
     from hf_zero3.generation.decode_attention import attention
     from hf_zero3.kernels import gqa_decode
 
     q, k, v, keep = _case(batch + length, batch, heads, kv, dim, length, dim_v)
     assert gqa_decode.supports(q, k, v, keep)
-    scale = dim ** -0.5
+    scale = dim**-0.5
     ref, _ = attention(None, q, k, v, keep, scaling=scale) if kv < heads else (None, None)
     if ref is None:  # the PyTorch form hands one-head groups to SDPA: compare with plain math
         scores = (q @ k.transpose(2, 3)) * scale
@@ -58,11 +62,17 @@ def test_kernel_equals_the_pytorch_form(batch, heads, kv, dim, length, dim_v):
     additive = torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
     torch.testing.assert_close(gqa_decode.gqa_decode_attention(q, k, v, additive, scale), ref, rtol=1e-5, atol=1e-5)
     # one mask row for every row; no mask: every position
-    torch.testing.assert_close(gqa_decode.gqa_decode_attention(q, k, v, keep[:1], scale),
-                               gqa_decode.gqa_decode_attention(q, k, v, keep[:1].expand_as(keep), scale))
+    torch.testing.assert_close(
+        gqa_decode.gqa_decode_attention(q, k, v, keep[:1], scale),
+        gqa_decode.gqa_decode_attention(q, k, v, keep[:1].expand_as(keep), scale),
+    )
     everything = torch.ones_like(keep)
-    torch.testing.assert_close(gqa_decode.gqa_decode_attention(q, k, v, None, scale),
-                               gqa_decode.gqa_decode_attention(q, k, v, everything, scale), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        gqa_decode.gqa_decode_attention(q, k, v, None, scale),
+        gqa_decode.gqa_decode_attention(q, k, v, everything, scale),
+        rtol=1e-6,
+        atol=1e-6,
+    )
 
 
 def test_unsupported_shapes_and_the_switch(monkeypatch):
@@ -100,8 +110,13 @@ def test_a_llama_decode_step_through_the_kernel_matches_its_own_attention():
             step_mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
             positions = (step_mask.cumsum(-1) - 1)[:, -1:]
             with decode_attention.use(model, name):
-                out = model(input_ids=torch.tensor([[11], [12]]), attention_mask=step_mask, position_ids=positions,
-                            past_key_values=cache, use_cache=True)
+                out = model(
+                    input_ids=torch.tensor([[11], [12]]),
+                    attention_mask=step_mask,
+                    position_ids=positions,
+                    past_key_values=cache,
+                    use_cache=True,
+                )
         logits[name] = out.logits
     torch.testing.assert_close(logits[decode_attention.KERNEL], logits[None], rtol=1e-5, atol=1e-5)
 
@@ -143,16 +158,19 @@ def _rope_case(seed, batch, heads, kv, dim, length, pos, cos_rows=None):
     vc = torch.randn(batch, kv, length, dim, generator=g)
     keep = torch.zeros(batch, 1, 1, length, dtype=torch.bool)
     for i in range(batch):
-        keep[i, ..., min(2 * i, pos): pos + 1] = True  # left padding; causal: nothing after the new token
+        keep[i, ..., min(2 * i, pos) : pos + 1] = True  # left padding; causal: nothing after the new token
     return q, k, v, cos, sin, kc, vc, keep
 
 
-@pytest.mark.parametrize("batch,heads,kv,dim,length,pos,cos_rows", [
-    (3, 8, 2, 16, 70, 37, None),   # the new token inside the first block, a block after it unread
-    (2, 12, 4, 64, 200, 130, None),  # three blocks before it
-    (2, 6, 3, 20, 40, 0, None),    # the first token: only itself (a head dim no power of two)
-    (2, 8, 2, 32, 90, 64, 1),      # one cos/sin row for every row, the token at a block's start
-])
+@pytest.mark.parametrize(
+    "batch,heads,kv,dim,length,pos,cos_rows",
+    [
+        (3, 8, 2, 16, 70, 37, None),  # the new token inside the first block, a block after it unread
+        (2, 12, 4, 64, 200, 130, None),  # three blocks before it
+        (2, 6, 3, 20, 40, 0, None),  # the first token: only itself (a head dim no power of two)
+        (2, 8, 2, 32, 90, 64, 1),  # one cos/sin row for every row, the token at a block's start
+    ],
+)
 def test_rope_kernel_equals_rotary_cache_write_and_attention(batch, heads, kv, dim, length, pos, cos_rows):
     """One kernel = transformers' rotate-half rotary embedding of the query and the new key, the
     static cache's index_copy at its fill count, and the grouped-heads attention over the cache."""
@@ -167,7 +185,7 @@ def test_rope_kernel_equals_rotary_cache_write_and_attention(batch, heads, kv, d
     at = torch.tensor([pos])
     ref_k.index_copy_(2, at, kr)
     ref_v.index_copy_(2, at, v[:, :, None])
-    ref, _ = attention(None, qr, ref_k, ref_v, keep, scaling=dim ** -0.5)
+    ref, _ = attention(None, qr, ref_k, ref_v, keep, scaling=dim**-0.5)
     # the loop's 2-D padding mask (int64, over the whole cache, ones after the prompt): the kernel
     # reads no position after the new token, so it is the causal mask too
     padding = torch.ones(batch, length, dtype=torch.long)
@@ -176,7 +194,7 @@ def test_rope_kernel_equals_rotary_cache_write_and_attention(batch, heads, kv, d
     for mask in (keep, torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min), padding):
         got_k, got_v = kc.clone(), vc.clone()
         counter = torch.tensor(pos)  # a StaticLayer's fill count: 0-dim int64
-        out = gqa_decode.rope_decode_attention(q, k, v, cos, sin, got_k, got_v, counter, mask, dim ** -0.5)
+        out = gqa_decode.rope_decode_attention(q, k, v, cos, sin, got_k, got_v, counter, mask, dim**-0.5)
         assert out.shape == (batch, 1, heads, dim) and int(counter) == pos  # the caller advances it
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got_k, ref_k, rtol=1e-6, atol=1e-6)  # the rotated key at pos, the rest kept
@@ -186,22 +204,26 @@ def test_rope_kernel_equals_rotary_cache_write_and_attention(batch, heads, kv, d
     for i in range(batch):
         poisoned_k[i, :, : min(2 * i, pos)] = float("nan")
         poisoned_v[i, :, : min(2 * i, pos)] = float("inf")
-    out = gqa_decode.rope_decode_attention(q, k, v, cos, sin, poisoned_k, poisoned_v, torch.tensor(pos), padding,
-                                           dim ** -0.5)
+    out = gqa_decode.rope_decode_attention(
+        q, k, v, cos, sin, poisoned_k, poisoned_v, torch.tensor(pos), padding, dim**-0.5
+    )
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     if pos == 0 or cos_rows:
         return
     # no mask: every position up to the new token's (the unfilled rest is never read)
     unpadded = torch.zeros_like(keep)
     unpadded[..., : pos + 1] = True
-    ref_all, _ = attention(None, qr, ref_k, ref_v, unpadded, scaling=dim ** -0.5)
-    out = gqa_decode.rope_decode_attention(q, k, v, cos, sin, kc.clone(), vc.clone(), torch.tensor(pos), None,
-                                           dim ** -0.5)
+    ref_all, _ = attention(None, qr, ref_k, ref_v, unpadded, scaling=dim**-0.5)
+    out = gqa_decode.rope_decode_attention(
+        q, k, v, cos, sin, kc.clone(), vc.clone(), torch.tensor(pos), None, dim**-0.5
+    )
     torch.testing.assert_close(out, ref_all, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("batch,heads,kv,dim,length,pos", [(3, 8, 2, 16, 70, 37), (2, 12, 4, 64, 200, 130),
-                                                           (2, 6, 3, 20, 40, 0), (2, 8, 2, 32, 90, 64)])
+@pytest.mark.parametrize(
+    "batch,heads,kv,dim,length,pos",
+    [(3, 8, 2, 16, 70, 37), (2, 12, 4, 64, 200, 130), (2, 6, 3, 20, 40, 0), (2, 8, 2, 32, 90, 64)],
+)
 def test_rope_kernel_in_a_dependent_launchs_order_gives_the_same_results(batch, heads, kv, dim, length, pos):
     """A dependent launch's order (``EARLY``: the first cache block loaded before the wait, the new
     token's cache write last) computes what the plain order does, bit for bit, under every mask
@@ -218,7 +240,7 @@ def test_rope_kernel_in_a_dependent_launchs_order_gives_the_same_results(batch, 
         outs = []
         for early in (False, True):
             got_k, got_v = kc.clone(), vc.clone()
-            out = run(q, k, v, cos, sin, got_k, got_v, torch.tensor([pos]), mask, kind, dim ** -0.5, EARLY=early)
+            out = run(q, k, v, cos, sin, got_k, got_v, torch.tensor([pos]), mask, kind, dim**-0.5, EARLY=early)
             outs.append((out, got_k, got_v))
         for plain, early in zip(*outs):
             assert torch.equal(plain, early)
@@ -241,10 +263,11 @@ def test_rope_kernel_sums_float32_partials_of_its_projections(split):
 
     qp, kp, vp = partials(q), partials(k), partials(v)
     want_k, want_v = kc.clone(), vc.clone()
-    want = gqa_decode.rope_decode_attention(qp.sum(0), kp.sum(0), vp.sum(0), cos, sin, want_k, want_v,
-                                            torch.tensor(pos), keep, dim ** -0.5)
+    want = gqa_decode.rope_decode_attention(
+        qp.sum(0), kp.sum(0), vp.sum(0), cos, sin, want_k, want_v, torch.tensor(pos), keep, dim**-0.5
+    )
     got_k, got_v = kc.clone(), vc.clone()
-    got = gqa_decode.rope_decode_attention(qp, kp, vp, cos, sin, got_k, got_v, torch.tensor(pos), keep, dim ** -0.5)
+    got = gqa_decode.rope_decode_attention(qp, kp, vp, cos, sin, got_k, got_v, torch.tensor(pos), keep, dim**-0.5)
     assert got.dtype == kc.dtype and got.shape == (batch, 1, heads, dim)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_k, want_k, rtol=1e-5, atol=1e-5)
@@ -263,8 +286,14 @@ def test_llama_decode_steps_with_qkv_partials_match_the_fused_projection(monkeyp
     from hf_zero3.kernels import decode_gemm, gqa_decode
     from hf_zero3.testing import models
 
-    cfg = models.tiny_llama_config(attn_implementation="sdpa", hidden_size=1024, intermediate_size=64,
-                                   num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=1)
+    cfg = models.tiny_llama_config(
+        attn_implementation="sdpa",
+        hidden_size=1024,
+        intermediate_size=64,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        num_hidden_layers=1,
+    )
     model = models.plain_model(cfg)
     monkeypatch.setattr(fused_projections, "PARTIAL_DTYPES", (torch.float32,))
     names = decode_attention.rope_plan(model, decode_attention.KERNEL)
@@ -285,10 +314,20 @@ def test_llama_decode_steps_with_qkv_partials_match_the_fused_projection(monkeyp
             logits = []
             for n, tok in enumerate(([[11], [12]], [[13], [14]])):
                 positions = (whole[:, : 5 + n].cumsum(-1) - 1)[:, -1:]
-                with (decode_attention.use(model, decode_attention.KERNEL), fused.use(),
-                      decode_attention.rope_use(bound, whole, qkv=qkv)):
-                    logits.append(model(input_ids=torch.tensor(tok), attention_mask=whole, position_ids=positions,
-                                        past_key_values=cache, use_cache=True).logits.float())
+                with (
+                    decode_attention.use(model, decode_attention.KERNEL),
+                    fused.use(),
+                    decode_attention.rope_use(bound, whole, qkv=qkv),
+                ):
+                    logits.append(
+                        model(
+                            input_ids=torch.tensor(tok),
+                            attention_mask=whole,
+                            position_ids=positions,
+                            past_key_values=cache,
+                            use_cache=True,
+                        ).logits.float()
+                    )
                 decode_attention.advance(bound, cache)
         runs[qkv is None] = (logits, cache.layers[0].keys.float().clone(), cache.layers[0].values.float().clone())
         assert decode_attention._STEP["qkv"] is None  # reset after the step
@@ -346,16 +385,23 @@ def test_llama_decode_steps_with_the_rope_kernel_match_its_own_attention(monkeyp
                 step_mask = torch.cat([step_mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
                 positions = (step_mask.cumsum(-1) - 1)[:, -1:]
                 with decode_attention.use(model, decode_attention.KERNEL), decode_attention.rope_use(bound, **extra):
-                    out = model(input_ids=torch.tensor(tok), attention_mask=whole if extra else step_mask,
-                                position_ids=positions, past_key_values=cache, use_cache=True)
+                    out = model(
+                        input_ids=torch.tensor(tok),
+                        attention_mask=whole if extra else step_mask,
+                        position_ids=positions,
+                        past_key_values=cache,
+                        use_cache=True,
+                    )
                 decode_attention.advance(bound, cache)
                 logits.append(out.logits)
         assert all("forward" not in vars(m) for m in bound + rotaries)  # unpatched after the step
         assert decode_attention._STEP["padding"] is None
         assert masks == {"own": [], "fused": [4] * 2 * len(names), "padding": [2] * 2 * len(names)}[case]
         masks.clear()
-        runs[case] = (logits, [(layer.keys.clone(), layer.values.clone(), int(layer.cumulative_length))
-                               for layer in cache.layers])
+        runs[case] = (
+            logits,
+            [(layer.keys.clone(), layer.values.clone(), int(layer.cumulative_length)) for layer in cache.layers],
+        )
     for case in ("fused", "padding"):
         for a, b in zip(runs[case][0], runs["own"][0]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -374,8 +420,16 @@ def test_the_decode_switches_read_on_and_opt_in(monkeypatch):
     name = "HF_ZERO3_TEST_SWITCH"
     monkeypatch.delenv(name, raising=False)
     assert _switch.on(name) and not _switch.on(name, default=False)
-    for value, on, opt_in in (("", True, False), ("0", False, False), (" Off ", False, False), ("no", False, False),
-                              ("1", True, True), ("TRUE", True, True), ("yes", True, True), ("2", True, False)):
+    for value, on, opt_in in (
+        ("", True, False),
+        ("0", False, False),
+        (" Off ", False, False),
+        ("no", False, False),
+        ("1", True, True),
+        ("TRUE", True, True),
+        ("yes", True, True),
+        ("2", True, False),
+    ):
         monkeypatch.setenv(name, value)
         assert (_switch.on(name), _switch.on(name, default=False)) == (on, opt_in), value
     # the library's own defaults: the fused rope kernel and dependent launches on, run-ahead

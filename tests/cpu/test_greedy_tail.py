@@ -29,10 +29,17 @@ def test_compiled_tail_matches_the_eager_tail():
     from hf_zero3.generation import graph_decode as gd
 
     def buffers(eos):
-        return dict(unfinished=torch.tensor([True, True, False, True, True]), pad=torch.tensor(0),
-                    eos=eos, out=torch.zeros(5, 8, dtype=torch.long), idx=torch.tensor([3]),
-                    own=torch.tensor(6), alive=torch.ones(8, dtype=torch.bool),
-                    tok=torch.zeros(5, dtype=torch.long), pos=torch.tensor([7, 8, 9, 10, 11]))
+        return dict(
+            unfinished=torch.tensor([True, True, False, True, True]),
+            pad=torch.tensor(0),
+            eos=eos,
+            out=torch.zeros(5, 8, dtype=torch.long),
+            idx=torch.tensor([3]),
+            own=torch.tensor(6),
+            alive=torch.ones(8, dtype=torch.bool),
+            tok=torch.zeros(5, dtype=torch.long),
+            pos=torch.tensor([7, 8, 9, 10, 11]),
+        )
 
     x = _logits(5, 32000)
     for eos in (None, torch.tensor([int(torch.argmax(x[3]))])):  # row 3 hits EOS in the second case
@@ -43,6 +50,11 @@ def test_compiled_tail_matches_the_eager_tail():
             if eager[name] is not None:
                 assert torch.equal(eager[name], compiled[name]), name
         assert eager["idx"].item() == 4 and eager["pos"].tolist() == [8, 9, 10, 11, 12]
-        assert eager["out"][:, 3].tolist() == [int(torch.argmax(x[0])), int(torch.argmax(x[1])), 0,
-                                               int(torch.argmax(x[3])), int(torch.argmax(x[4]))]
+        assert eager["out"][:, 3].tolist() == [
+            int(torch.argmax(x[0])),
+            int(torch.argmax(x[1])),
+            0,
+            int(torch.argmax(x[3])),
+            int(torch.argmax(x[4])),
+        ]
         assert eager["unfinished"].tolist() == [True, True, False, eos is None, True]

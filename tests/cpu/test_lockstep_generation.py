@@ -26,8 +26,7 @@ def _scenarios_two_ranks():
     early_prompt, early_step = sc.early[0]
     prompt = early_prompt if rank == 0 else sc.late[0]
     counter = ForwardCounter(engine.module)
-    results = {"eos_step_rank0": early_step, "steps": sc.steps,
-               "n_params": len(list(engine.module.parameters()))}
+    results = {"eos_step_rank0": early_step, "steps": sc.steps, "n_params": len(list(engine.module.parameters()))}
     gen = dict(max_new_tokens=sc.steps, eos_token_id=sc.eos_token_id, pad_token_id=0)
 
     def run(name, ids, attn=None, **kw):
@@ -48,9 +47,16 @@ def _scenarios_two_ranks():
             torch.manual_seed(1234)
         with torch.no_grad():
             exp = ref.generate(input_ids=ids, **extra, **gen, **kw)
-        results[name] = dict(match=out.tolist() == exp.tolist(), out=out.tolist(),
-                             exp=exp.tolist(), forwards=forwards, stats=stats,
-                             collectives=collectives, ops=ops, ref_len=exp.shape[1] - ids.shape[1])
+        results[name] = dict(
+            match=out.tolist() == exp.tolist(),
+            out=out.tolist(),
+            exp=exp.tolist(),
+            forwards=forwards,
+            stats=stats,
+            collectives=collectives,
+            ops=ops,
+            ref_len=exp.shape[1] - ids.shape[1],
+        )
 
     ids = torch.tensor([prompt])
     run("sync1_all", ids, stop="sync", sync_every=1, gather="all")
@@ -78,8 +84,15 @@ def two_rank_results():
     return run_ranks(_scenarios_two_ranks, 2, timeout=240, pg_timeout=20)
 
 
-SCENARIOS = ["sync1_all", "sync4_layerwise", "fixed_layerwise", "sync16_auto", "sample_sync",
-             "beam_sync", "batch_mixed_leftpad"]
+SCENARIOS = [
+    "sync1_all",
+    "sync4_layerwise",
+    "fixed_layerwise",
+    "sync16_auto",
+    "sample_sync",
+    "beam_sync",
+    "batch_mixed_leftpad",
+]
 
 
 @pytest.mark.parametrize("name", SCENARIOS)
@@ -103,8 +116,7 @@ def test_divergent_eos_really_diverges(two_rank_results):
     assert r1["sync1_all"]["ref_len"] == r1["steps"]
 
 
-@pytest.mark.parametrize("name,sync_every", [("sync1_all", 1), ("sync4_layerwise", 4),
-                                             ("sync16_auto", 16)])
+@pytest.mark.parametrize("name,sync_every", [("sync1_all", 1), ("sync4_layerwise", 4), ("sync16_auto", 16)])
 def test_sync_stops_within_sync_every_of_last_eos(two_rank_results, name, sync_every):
     last_needed = max(res[name]["ref_len"] for res in two_rank_results)
     forwards = two_rank_results[0][name]["forwards"]
@@ -112,8 +124,10 @@ def test_sync_stops_within_sync_every_of_last_eos(two_rank_results, name, sync_e
 
 
 def test_sync_every_cuts_agreements(two_rank_results):
-    assert two_rank_results[0]["sync1_all"]["stats"].agreements > \
-        two_rank_results[0]["sync4_layerwise"]["stats"].agreements
+    assert (
+        two_rank_results[0]["sync1_all"]["stats"].agreements
+        > two_rank_results[0]["sync4_layerwise"]["stats"].agreements
+    )
 
 
 def test_fixed_runs_exactly_max_new_tokens(two_rank_results):
@@ -156,18 +170,21 @@ def _subgroup_generates():
     if rank in (0, 1):
         spy = CollectiveSpy().__enter__()
         model = models.plain_model(models.tiny_llama_config())
-        deepspeed.zero.Init(module=model, data_parallel_group=sub,
-                            config_dict_or_path=strict_zero3_config())  # partition over {0, 1}
+        deepspeed.zero.Init(
+            module=model, data_parallel_group=sub, config_dict_or_path=strict_zero3_config()
+        )  # partition over {0, 1}
         lens = []
         for gather in ("all", "layerwise"):
             mark(f"subgroup generate gather={gather}")
             ids = torch.tensor([[5 + rank, 7, 9]])
             with torch.no_grad():
-                out = hf_zero3.lockstep_generate(model, input_ids=ids, max_new_tokens=6 + 4 * rank,
-                                                 eos_token_id=None, pad_token_id=0, gather=gather)
+                out = hf_zero3.lockstep_generate(
+                    model, input_ids=ids, max_new_tokens=6 + 4 * rank, eos_token_id=None, pad_token_id=0, gather=gather
+                )
             lens.append(out.shape[1])
-        result = dict(lens=lens, world=spy.world_calls(), sub=spy.total((0, 1)),
-                      gathered=model.hf_zero3_last_generate.gather)
+        result = dict(
+            lens=lens, world=spy.world_calls(), sub=spy.total((0, 1)), gathered=model.hf_zero3_last_generate.gather
+        )
         spy.__exit__()
         open(os.path.join(flag, f"done{rank}"), "w").close()
     else:
@@ -182,8 +199,7 @@ def _subgroup_generates():
 
 
 def test_subgroup_generation_uses_no_world_collective(tmp_path):
-    res = run_ranks(_subgroup_generates, 3, timeout=150, pg_timeout=15,
-                    env={"FLAG_DIR": str(tmp_path)})
+    res = run_ranks(_subgroup_generates, 3, timeout=150, pg_timeout=15, env={"FLAG_DIR": str(tmp_path)})
     for rank in (0, 1):
         r = res[rank]
         assert r["world"] == 0
@@ -213,21 +229,31 @@ def _bad_inputs():
             errors[name] = str(e)
 
     ids = torch.tensor([[3, 4, 5, 6][: 2 + 2 * rank]])  # unequal prompt lengths
-    expect("fixed_max_length", lambda: hf_zero3.lockstep_generate(
-        engine, input_ids=ids, max_length=10, stop="fixed", pad_token_id=0))
-    expect("gather_differs", lambda: hf_zero3.lockstep_generate(
-        engine, input_ids=ids, max_new_tokens=3, pad_token_id=0,
-        gather="all" if rank == 0 else "layerwise"))
-    expect("fixed_max_time", lambda: hf_zero3.lockstep_generate(
-        engine, input_ids=ids, max_new_tokens=3, max_time=5.0, stop="fixed", pad_token_id=0))
+    expect(
+        "fixed_max_length",
+        lambda: hf_zero3.lockstep_generate(engine, input_ids=ids, max_length=10, stop="fixed", pad_token_id=0),
+    )
+    expect(
+        "gather_differs",
+        lambda: hf_zero3.lockstep_generate(
+            engine, input_ids=ids, max_new_tokens=3, pad_token_id=0, gather="all" if rank == 0 else "layerwise"
+        ),
+    )
+    expect(
+        "fixed_max_time",
+        lambda: hf_zero3.lockstep_generate(
+            engine, input_ids=ids, max_new_tokens=3, max_time=5.0, stop="fixed", pad_token_id=0
+        ),
+    )
     expect("bad_stop", lambda: hf_zero3.lockstep_generate(engine, input_ids=ids, stop="eventually"))
     groups = [dist.new_group([0]), dist.new_group([1])]
-    expect("group_mismatch", lambda: hf_zero3.lockstep_generate(
-        engine, input_ids=ids, max_new_tokens=3, pad_token_id=0, group=groups[rank]))
+    expect(
+        "group_mismatch",
+        lambda: hf_zero3.lockstep_generate(engine, input_ids=ids, max_new_tokens=3, pad_token_id=0, group=groups[rank]),
+    )
     # sync mode with max_length and unequal prompts is fine: the longer budget wins, documented
     with torch.no_grad():
-        out = hf_zero3.lockstep_generate(engine, input_ids=ids, max_length=10, eos_token_id=None,
-                                         pad_token_id=0)
+        out = hf_zero3.lockstep_generate(engine, input_ids=ids, max_length=10, eos_token_id=None, pad_token_id=0)
     errors["sync_max_length_len"] = out.shape[1]
     errors["sync_max_length_forwards"] = engine.module.hf_zero3_last_generate.forwards
     return errors
@@ -266,22 +292,35 @@ def _three_ranks_models():
             got = hf_zero3.lockstep_generate(engine, input_ids=ids, sync_every=2, **kw)
             forwards = counter.take()
             exp = ref.generate(input_ids=ids, **kw)
-        out[cfg_name] = dict(match=got.tolist() == exp.tolist(), forwards=forwards,
-                             ref_len=exp.shape[1], got=got.tolist(), exp=exp.tolist())
+        out[cfg_name] = dict(
+            match=got.tolist() == exp.tolist(),
+            forwards=forwards,
+            ref_len=exp.shape[1],
+            got=got.tolist(),
+            exp=exp.tolist(),
+        )
         # compiled decoding asked for: an encoder-decoder model decodes eagerly and says why
         with torch.no_grad():
-            again = hf_zero3.lockstep_generate(engine, input_ids=ids, sync_every=2, gather="all", decode="compiled",
-                                               **kw)
+            again = hf_zero3.lockstep_generate(
+                engine, input_ids=ids, sync_every=2, gather="all", decode="compiled", **kw
+            )
         st = engine.module.hf_zero3_last_generate
-        out[cfg_name]["compiled"] = dict(match=again.tolist() == exp.tolist(), decode=st.decode,
-                                         reason=st.decode_reason, forwards=counter.take())
+        out[cfg_name]["compiled"] = dict(
+            match=again.tolist() == exp.tolist(), decode=st.decode, reason=st.decode_reason, forwards=counter.take()
+        )
     return out
 
 
 def _eos_at(ref, ids, step, steps):
     with torch.no_grad():
-        seq = ref.generate(input_ids=ids, max_new_tokens=steps, min_new_tokens=steps,
-                           eos_token_id=None, pad_token_id=0, do_sample=False)
+        seq = ref.generate(
+            input_ids=ids,
+            max_new_tokens=steps,
+            min_new_tokens=steps,
+            eos_token_id=None,
+            pad_token_id=0,
+            do_sample=False,
+        )
     new = seq[0, -steps:].tolist()
     for k in range(step - 1, steps):
         if new[k] not in new[:k]:
@@ -326,9 +365,9 @@ def _peft_lora(decode: str = "eager"):
     ref.load_state_dict(peft_model.state_dict())
     ref.eval()
     ds = strict_zero3_config(world_size=2)
-    engine, *_ = deepspeed.initialize(model=peft_model, config=ds,
-                                      model_parameters=[p for p in peft_model.parameters()
-                                                        if p.requires_grad])
+    engine, *_ = deepspeed.initialize(
+        model=peft_model, config=ds, model_parameters=[p for p in peft_model.parameters() if p.requires_grad]
+    )
     engine.eval()
     hf_zero3.lockstep(engine, sync_every=2, decode=decode)
     counter = ForwardCounter(engine.module.get_base_model())
@@ -340,8 +379,16 @@ def _peft_lora(decode: str = "eager"):
         forwards = counter.take()
         exp = ref.generate(input_ids=ids, **kw)
     stats = engine.module.get_base_model().hf_zero3_last_generate
-    return dict(match=got.tolist() == exp.tolist(), got=got.tolist(), exp=exp.tolist(), forwards=forwards, gather=stats.gather, loop=stats.loop,
-                decode=stats.decode, zero3=hf_zero3.zero3.is_zero3_model(engine.module))
+    return dict(
+        match=got.tolist() == exp.tolist(),
+        got=got.tolist(),
+        exp=exp.tolist(),
+        forwards=forwards,
+        gather=stats.gather,
+        loop=stats.loop,
+        decode=stats.decode,
+        zero3=hf_zero3.zero3.is_zero3_model(engine.module),
+    )
 
 
 @pytest.mark.parametrize("decode", ["eager", "compiled"])

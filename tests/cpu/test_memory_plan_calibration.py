@@ -32,8 +32,9 @@ def test_fragmentation_under_a_cap_lowers_the_gate_and_the_room():
 
     cands = [(1, 100, 1.0), (2, 100, 3.0), (3, 400, 2.0)]
     # 2 GiB-style: the step peaked at 1_000 allocated but 1_600 reserved (fragmented cache), 100 planned for
-    d = decide(1_000, 1_000, 900, 2_000, cands, True, peak_reserved=1_300, reserved_limit=1_800,
-               planned_fragmentation=100)
+    d = decide(
+        1_000, 1_000, 900, 2_000, cands, True, peak_reserved=1_300, reserved_limit=1_800, planned_fragmentation=100
+    )
     assert d.tighten == 100 + 200  # the excess, plus fragmentation beyond the planned
     # reserved headroom (500) less the measured fragmentation (300), not allocated headroom (1000), binds
     assert d.room == 200 and d.persistent == (2, 1)
@@ -56,8 +57,14 @@ def test_decision_is_monotone_in_the_measured_peak():
         previous = d
 
 
-def _calibrating_rank(agree: bool, extra_peak: tuple[int, ...], slack: int = 60_000, jump: int = 0,
-                      persist: bool = True, squeeze_rank: int | None = None):
+def _calibrating_rank(
+    agree: bool,
+    extra_peak: tuple[int, ...],
+    slack: int = 60_000,
+    jump: int = 0,
+    persist: bool = True,
+    squeeze_rank: int | None = None,
+):
     """Plan, run the gated graph while calibrating, report 2 measured steps (this rank's peak is
     the profile's plus ``extra_peak[rank]``), run it again twice, rank 1 peaking ``jump`` bytes
     higher at the last step. ``agree=False``: the planner's group is this rank alone, so it decides
@@ -91,11 +98,14 @@ def _calibrating_rank(agree: bool, extra_peak: tuple[int, ...], slack: int = 60_
     solo = [dist.new_group([r]) for r in range(dist.get_world_size())]  # every rank creates every group
     group = None if agree else solo[rank]
     measured = {"fb": peak + extra_peak[rank], "st": peak + extra_peak[rank] + 500}
-    plan_pass = MemoryPlanPass(MemoryPlanConfig(safety_margin=0.0, calibrate_steps=2, persist=persist),
-                               ops=STAND_IN_OPS,
-                               read_memory=lambda: memory["now"], persist_fn=persist_one,
-                               read_peaks=lambda: (measured["fb"], measured["st"], measured["st"] + 1000),
-                               runtime=SimpleNamespace(group=group))
+    plan_pass = MemoryPlanPass(
+        MemoryPlanConfig(safety_margin=0.0, calibrate_steps=2, persist=persist),
+        ops=STAND_IN_OPS,
+        read_memory=lambda: memory["now"],
+        persist_fn=persist_one,
+        read_peaks=lambda: (measured["fb"], measured["st"], measured["st"] + 1000),
+        runtime=SimpleNamespace(group=group),
+    )
     gate.reset_drifts()
     out_gm = plan_pass(rec.gm, gid, [(gid, True)], {gid: rec}, None, 0.0, None, True)
     assert out_gm is not None, plan_pass.error
@@ -122,13 +132,25 @@ def _calibrating_rank(agree: bool, extra_peak: tuple[int, ...], slack: int = 60_
         decisions.append(plan_pass.after_step())
     gate.set_issue_fn(None)
     d = plan_pass.calibration.decision
-    return dict(rank=rank, runs=runs, slots=slots, windows=windows, profile_peak=plan_pass.records[(gid, True)].profile.peak,
-                persisted=persisted, decision=None if d is None else (d.tighten, d.persistent, d.room, d.excess),
-                decided_at=[i for i, x in enumerate(decisions) if x is not None],
-                history=plan_pass.calibration.history, summary=plan_pass.summary(),
-                gate_budget=plan_pass.records[(gid, True)].budget.gate_budget,
-                reserved_room=(plan_pass.records[(gid, True)].budget.limit - plan_pass.records[(gid, True)].budget.safety
-                               - (peak + 20_000 + 500 + 1000) - 1000))
+    return dict(
+        rank=rank,
+        runs=runs,
+        slots=slots,
+        windows=windows,
+        profile_peak=plan_pass.records[(gid, True)].profile.peak,
+        persisted=persisted,
+        decision=None if d is None else (d.tighten, d.persistent, d.room, d.excess),
+        decided_at=[i for i, x in enumerate(decisions) if x is not None],
+        history=plan_pass.calibration.history,
+        summary=plan_pass.summary(),
+        gate_budget=plan_pass.records[(gid, True)].budget.gate_budget,
+        reserved_room=(
+            plan_pass.records[(gid, True)].budget.limit
+            - plan_pass.records[(gid, True)].budget.safety
+            - (peak + 20_000 + 500 + 1000)
+            - 1000
+        ),
+    )
 
 
 def test_calibration_decides_identically_on_every_rank_from_the_agreed_peaks():
@@ -155,8 +177,7 @@ def test_a_rank_that_cannot_allocate_the_persistent_parameters_stops_every_rank_
     # rank 1 has no free memory left when the decision is acted on: each set_persistent is a
     # collective, so the group agrees first, and no rank persists (instead of rank 1 failing in
     # one of them while rank 0 waits in the next)
-    r0, r1 = run_ranks(_calibrating_rank, 2, args=(True, (0, 20_000), 60_000, 0, True, 1), timeout=240,
-                       pg_timeout=60)
+    r0, r1 = run_ranks(_calibrating_rank, 2, args=(True, (0, 20_000), 60_000, 0, True, 1), timeout=240, pg_timeout=60)
     assert r0["decision"] == r1["decision"] and r0["decision"][1]  # the agreed decision chose some
     assert r0["persisted"] == r1["persisted"] == []
     assert r0["summary"]["persistent"] == r1["summary"]["persistent"] == 0
@@ -165,8 +186,9 @@ def test_a_rank_that_cannot_allocate_the_persistent_parameters_stops_every_rank_
 
 def test_measured_room_lets_prefetches_through_and_an_overshoot_lowers_every_gate():
     # persist=False: all of the measured room goes to prefetches
-    r0, r1 = run_ranks(_calibrating_rank, 2, args=(True, (0, 20_000), 200_000, 250_000, False), timeout=240,
-                       pg_timeout=60)
+    r0, r1 = run_ranks(
+        _calibrating_rank, 2, args=(True, (0, 20_000), 200_000, 250_000, False), timeout=240, pg_timeout=60
+    )
     tighten, persistent, room, excess = r0["decision"]
     assert excess == 20_000 and tighten == 20_000  # drift 0: the excess is rank 1's extra peak
     assert not persistent and room > 0
@@ -203,9 +225,14 @@ def _planned_pass(gid: int):
     rec = record_tiny_backward()
     peak = max(m[3] for m in rec.fwd_mem)
     state = MemoryState(allocated=peak // 2, reserved=peak // 2, free=10 * peak, total=11 * peak)
-    plan_pass = MemoryPlanPass(MemoryPlanConfig(safety_margin=0.0, calibrate_steps=2), ops=STAND_IN_OPS,
-                               read_memory=lambda: state, persist_fn=lambda ds_id: None,
-                               read_peaks=lambda: (peak, peak, peak), runtime=SimpleNamespace(group=None))
+    plan_pass = MemoryPlanPass(
+        MemoryPlanConfig(safety_margin=0.0, calibrate_steps=2),
+        ops=STAND_IN_OPS,
+        read_memory=lambda: state,
+        persist_fn=lambda ds_id: None,
+        read_peaks=lambda: (peak, peak, peak),
+        runtime=SimpleNamespace(group=None),
+    )
     assert plan_pass(rec.gm, gid, [(gid, True)], {gid: rec}, None, 0.0, None, True) is not None
     return plan_pass
 

@@ -34,14 +34,17 @@ def test_config_values_over_environment_over_defaults_and_auto_means_default():
     assert MemoryPlanConfig.from_ds_config({"zero_optimization": {"stage": 3}}, env={}) == MemoryPlanConfig()
 
 
-@pytest.mark.parametrize("values, message", [
-    ({"mode": "fast"}, "mode='fast' is not one of"),
-    ({"safety_margin": 0.9}, r"must be in \[0, 0.5\)"),
-    ({"plan_step": -1}, "plan_step=-1 must be >= 0"),
-    ({"gate": "maybe"}, "not a boolean"),
-    ({"compile_backend": "aot_eager"}, "supports inductor or eager"),
-    ({"max_memmory": "1GiB"}, r"unknown hf_zero3.memory_plan key\(s\) \['max_memmory'\]; known keys"),
-])
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"mode": "fast"}, "mode='fast' is not one of"),
+        ({"safety_margin": 0.9}, r"must be in \[0, 0.5\)"),
+        ({"plan_step": -1}, "plan_step=-1 must be >= 0"),
+        ({"gate": "maybe"}, "not a boolean"),
+        ({"compile_backend": "aot_eager"}, "supports inductor or eager"),
+        ({"max_memmory": "1GiB"}, r"unknown hf_zero3.memory_plan key\(s\) \['max_memmory'\]; known keys"),
+    ],
+)
 def test_bad_settings_are_clear_errors(values, message):
     with pytest.raises(ConfigError, match=message):
         MemoryPlanConfig.from_dict(values, env={})
@@ -57,8 +60,7 @@ def test_bad_sections_are_clear_errors():
 def test_budget_counts_the_process_cap_not_the_card():
     total = 140 * GiB
     # 16 GiB per-process fraction on a 140 GiB card, 2 GiB of CUDA context + NCCL, 1 GiB cached free.
-    state = MemoryState(allocated=5 * GiB, reserved=6 * GiB, free=total - 8 * GiB, total=total,
-                        fraction=16 / 140)
+    state = MemoryState(allocated=5 * GiB, reserved=6 * GiB, free=total - 8 * GiB, total=total, fraction=16 / 140)
     b = compute_budget(MemoryPlanConfig(safety_margin=0.02), state, reserved=4 * GiB)
     assert b.non_pytorch == 2 * GiB and b.fragmentation == 1 * GiB
     assert b.limit == 16 * GiB  # the allocator's 16 GiB (non-PyTorch memory is outside the cap)
@@ -81,8 +83,7 @@ def _agree_budget_rank():
     from hf_zero3.compile.budget import agree_budget
 
     rank = dist.get_rank()
-    state = MemoryState(allocated=(4 + rank) * GiB, reserved=(5 + 2 * rank) * GiB, free=100 * GiB,
-                        total=120 * GiB)
+    state = MemoryState(allocated=(4 + rank) * GiB, reserved=(5 + 2 * rank) * GiB, free=100 * GiB, total=120 * GiB)
     local = compute_budget(MemoryPlanConfig(), state, reserved=GiB)
     return local, agree_budget(local)
 
@@ -104,7 +105,9 @@ def test_schedule_satisfies_deepspeed_pass_contracts():
     backend.register_compile_pass(PASS_NAME, MemoryPlanPass(MemoryPlanConfig()), pass_contract())
     assert memory_plan_schedule(MemoryPlanConfig()) == [(0, ["zero3_compile", PASS_NAME])]
     assert memory_plan_schedule(MemoryPlanConfig(plan_step=5)) == [
-        (0, ["zero3_compile"]), (5, ["zero3_compile", PASS_NAME])]
+        (0, ["zero3_compile"]),
+        (5, ["zero3_compile", PASS_NAME]),
+    ]
     for cfg in (MemoryPlanConfig(), MemoryPlanConfig(plan_step=5)):
         validate_schedule(memory_plan_schedule(cfg), backend.opt_passes)
     with pytest.raises(PassContractError, match="requires \\['z3_gather_release'\\]"):
@@ -177,8 +180,11 @@ def _trainer_rank(tmpdir: str):
 
     trainer = make_trainer(tmpdir, callbacks=[Zero3Safe()], max_steps=2, ds_extra=copy.deepcopy(SECTION))
     trainer.train()
-    return dict(losses=train_losses(trainer), enabled=memory_plan_enabled(),
-                section=trainer.model_wrapped.config["hf_zero3"]["memory_plan"])
+    return dict(
+        losses=train_losses(trainer),
+        enabled=memory_plan_enabled(),
+        section=trainer.model_wrapped.config["hf_zero3"]["memory_plan"],
+    )
 
 
 def test_trainer_with_zero3safe_accepts_the_section(tmp_path):
@@ -191,8 +197,8 @@ def _pending_rank():
     import deepspeed
     import torch
 
-    from hf_zero3.testing import models, strict_zero3_config
     from hf_zero3._upstream.deepspeed import pending_optimizer_bytes
+    from hf_zero3.testing import models, strict_zero3_config
 
     ds = strict_zero3_config(world_size=2)
     model = models.zero3_model(models.tiny_llama_config(), ds)
@@ -222,28 +228,41 @@ def test_budget_fits_the_capped_1b_run_that_failed_on_units():
 
     total = int(139.8 * GiB)
     nonpt, frag, allocated = int(2.52 * GiB), int(1.06 * GiB), int(9.0 * GiB)
-    state = MemoryState(allocated=allocated, reserved=allocated + frag, free=total - allocated - frag - nonpt,
-                        total=total, fraction=16 * GiB / total)
+    state = MemoryState(
+        allocated=allocated,
+        reserved=allocated + frag,
+        free=total - allocated - frag - nonpt,
+        total=total,
+        fraction=16 * GiB / total,
+    )
     b = compute_budget(MemoryPlanConfig(), state, reserved=int(4.60 * GiB))
     assert b.budget > int((11.65 - 2.52) * GiB)  # room left for prefetches
     assert b.gate_budget < 16 * GiB  # at run time, still under the allocator's cap
-    bwd = GraphProfile(1, (NodeProfile("x", "input"), NodeProfile("mm", alloc=int((7.9 - 2.52) * GiB),
-                                                                  peak=int((11.65 - 2.52) * GiB))))
+    bwd = GraphProfile(
+        1, (NodeProfile("x", "input"), NodeProfile("mm", alloc=int((7.9 - 2.52) * GiB), peak=int((11.65 - 2.52) * GiB)))
+    )
     check_floor(bwd, b.limit - b.safety, b.reserved)  # 5.4 + 4.6 GiB resident fits under the limit
 
 
-@pytest.mark.parametrize("values, env, message", [
-    ({"max_memory": "0.5"}, {}, r"hf_zero3.memory_plan.max_memory='0.5' is 0.5 bytes, not a whole number"),
-    ({"max_memory": "1e400"}, {}, r"max_memory='1e400' is not a finite size"),
-    ({"max_memory": float("nan")}, {}, r"max_memory=nan is not a finite size"),
-    ({"max_memory": "1.2.3GiB"}, {}, r"max_memory='1.2.3GiB' is not a size; write a size such as 15GiB"),
-    ({"max_memory": 512}, {}, r"only 512 bytes, below the 1048576-byte minimum"),
-    ({"plan_step": 1.7}, {}, r"hf_zero3.memory_plan.plan_step=1.7 is not a whole number of steps"),
-    ({"safety_margin": "nan"}, {}, r"safety_margin='nan' must be in \[0, 0.5\)"),
-    ({}, {"HF_ZERO3_MODE": "bogus"}, r"HF_ZERO3_MODE='bogus' is not one of"),
-    ({}, {"HF_ZERO3_MAXMEMORY": "1GiB"}, r"HF_ZERO3_MAXMEMORY is not an hf_zero3 setting; did you mean "
-                                        r"HF_ZERO3_MAX_MEMORY\?"),
-])
+@pytest.mark.parametrize(
+    "values, env, message",
+    [
+        ({"max_memory": "0.5"}, {}, r"hf_zero3.memory_plan.max_memory='0.5' is 0.5 bytes, not a whole number"),
+        ({"max_memory": "1e400"}, {}, r"max_memory='1e400' is not a finite size"),
+        ({"max_memory": float("nan")}, {}, r"max_memory=nan is not a finite size"),
+        ({"max_memory": "1.2.3GiB"}, {}, r"max_memory='1.2.3GiB' is not a size; write a size such as 15GiB"),
+        ({"max_memory": 512}, {}, r"only 512 bytes, below the 1048576-byte minimum"),
+        ({"plan_step": 1.7}, {}, r"hf_zero3.memory_plan.plan_step=1.7 is not a whole number of steps"),
+        ({"safety_margin": "nan"}, {}, r"safety_margin='nan' must be in \[0, 0.5\)"),
+        ({}, {"HF_ZERO3_MODE": "bogus"}, r"HF_ZERO3_MODE='bogus' is not one of"),
+        (
+            {},
+            {"HF_ZERO3_MAXMEMORY": "1GiB"},
+            r"HF_ZERO3_MAXMEMORY is not an hf_zero3 setting; did you mean "
+            r"HF_ZERO3_MAX_MEMORY\?",
+        ),
+    ],
+)
 def test_edge_values_are_named_with_their_key_or_variable(values, env, message):
     """Issue #11, finding 6: every bad value names its key (or environment variable) and the forms."""
     with pytest.raises(ConfigError, match=message):

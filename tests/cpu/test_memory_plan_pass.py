@@ -31,12 +31,22 @@ def _pass_rank(limit_slack: int):
     state = MemoryState(allocated=peak // 2, reserved=peak // 2 + frag, free=total - peak // 2 - frag, total=total)
     persisted = []
     # calibrate_steps=0: the profile is trusted, persistence chosen at compile (calibration has its own tests)
-    plan_pass = MemoryPlanPass(MemoryPlanConfig(safety_margin=0.0, calibrate_steps=0), ops=STAND_IN_OPS,
-                               read_memory=lambda: state, persist_fn=persisted.append)
+    plan_pass = MemoryPlanPass(
+        MemoryPlanConfig(safety_margin=0.0, calibrate_steps=0),
+        ops=STAND_IN_OPS,
+        read_memory=lambda: state,
+        persist_fn=persisted.append,
+    )
     out_gm = plan_pass(rec.gm, gid, [(gid, True)], {gid: rec}, None, 0.0, None, True)
-    result = dict(rank=rank, error=repr(plan_pass.error) if plan_pass.error else None, persisted=persisted,
-                  summary=plan_pass.summary(), rewritten=out_gm is not None)
+    result = dict(
+        rank=rank,
+        error=repr(plan_pass.error) if plan_pass.error else None,
+        persisted=persisted,
+        summary=plan_pass.summary(),
+        rewritten=out_gm is not None,
+    )
     if out_gm is None:
+
         class Engine:  # the seam apply_memory_plan installs on a DeepSpeed engine
             def forward(self, x):
                 return x
@@ -59,8 +69,9 @@ def _pass_rank(limit_slack: int):
     with torch.no_grad():
         out = Interpreter(out_gm).run(*rec.inputs)
     gate.set_issue_fn(None)
-    result.update(issued=issued, same_output=torch.equal(out, reference),
-                  budget=plan_pass.records[(gid, True)].budget.budget)
+    result.update(
+        issued=issued, same_output=torch.equal(out, reference), budget=plan_pass.records[(gid, True)].budget.budget
+    )
     return result
 
 
@@ -101,11 +112,16 @@ def _one_rank_fails_while_planning():
             raise RuntimeError("cudaMemGetInfo failed on rank 1")
         return MemoryState(allocated=peak // 2, reserved=peak // 2, free=10 * peak, total=11 * peak)
 
-    plan_pass = MemoryPlanPass(MemoryPlanConfig(safety_margin=0.0), ops=STAND_IN_OPS, read_memory=read_memory,
-                               persist_fn=lambda ds_id: None)
+    plan_pass = MemoryPlanPass(
+        MemoryPlanConfig(safety_margin=0.0), ops=STAND_IN_OPS, read_memory=read_memory, persist_fn=lambda ds_id: None
+    )
     out = plan_pass(rec.gm, gid, [(gid, True)], {gid: rec}, None, 0.0, None, True)
-    return dict(out=out is None, error=repr(plan_pass.error), untouched=len(rec.gm.graph.nodes) == nodes_before,
-                graphs=plan_pass.summary()["graphs"])
+    return dict(
+        out=out is None,
+        error=repr(plan_pass.error),
+        untouched=len(rec.gm.graph.nodes) == nodes_before,
+        graphs=plan_pass.summary()["graphs"],
+    )
 
 
 def test_a_planning_failure_on_one_rank_leaves_the_graph_unplanned_on_every_rank():

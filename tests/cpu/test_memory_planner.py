@@ -11,9 +11,21 @@ import random
 
 import pytest
 
-from hf_zero3.compile.planner import (COMPUTE, GATHER, INPUT, OUTPUT, RELEASE, WAIT, BudgetTooSmallError,
-                                      GraphProfile, NodeProfile, PlanError, check_floor, plan_persistence,
-                                      plan_prefetch)
+from hf_zero3.compile.planner import (
+    COMPUTE,
+    GATHER,
+    INPUT,
+    OUTPUT,
+    RELEASE,
+    WAIT,
+    BudgetTooSmallError,
+    GraphProfile,
+    NodeProfile,
+    PlanError,
+    check_floor,
+    plan_persistence,
+    plan_prefetch,
+)
 from hf_zero3.testing import run_ranks
 
 
@@ -30,8 +42,9 @@ def synthetic(seed: int, layers: int = 6) -> GraphProfile:
         for k in range(rnd.randint(1, 6)):
             act = rnd.randint(-40, 80)
             live = max(live + act, 1000)
-            nodes.append(NodeProfile(f"c{layer}_{k}", COMPUTE, -1, 0, rnd.uniform(1e-4, 2e-3),
-                                     live + rnd.randint(0, 60), live))
+            nodes.append(
+                NodeProfile(f"c{layer}_{k}", COMPUTE, -1, 0, rnd.uniform(1e-4, 2e-3), live + rnd.randint(0, 60), live)
+            )
         live -= size
         nodes.append(NodeProfile(f"rel{layer}", RELEASE, layer, 0, 0.0, live + size, live))
     nodes.append(NodeProfile("out", OUTPUT, peak=live, alloc=live))
@@ -90,8 +103,10 @@ def test_larger_budget_never_yields_fewer_prefetches(recorded):
     for p in _profiles(recorded):
         counts = [plan_prefetch(p, b).prefetched for b in _budgets(p, 40)]
         assert counts == sorted(counts), (p.graph_id, counts)
-        assert counts[-1] == len([x for x in p.nodes if x.kind == GATHER]) - plan_prefetch(
-            p, 10**15).skipped["no_compute_above"]
+        assert (
+            counts[-1]
+            == len([x for x in p.nodes if x.kind == GATHER]) - plan_prefetch(p, 10**15).skipped["no_compute_above"]
+        )
 
 
 def test_prefetches_are_real_moves_and_fused_within_cap(recorded):
@@ -102,8 +117,9 @@ def test_prefetches_are_real_moves_and_fused_within_cap(recorded):
         assert slot.nbytes <= max(4096, max(p.nodes[u].nbytes for u in slot.gather_nodes))
         assert [p.nodes[u].ds_id for u in slot.gather_nodes] == list(slot.ds_ids)
         for u in slot.gather_nodes:  # issued after the previous touch of the same parameter
-            assert all(not (x.ds_id == p.nodes[u].ds_id and x.kind in (GATHER, RELEASE))
-                       for x in p.nodes[slot.index:u])
+            assert all(
+                not (x.ds_id == p.nodes[u].ds_id and x.kind in (GATHER, RELEASE)) for x in p.nodes[slot.index : u]
+            )
 
 
 def test_coalescing_cuts_launches_and_changes_nothing_else(recorded):
@@ -112,14 +128,17 @@ def test_coalescing_cuts_launches_and_changes_nothing_else(recorded):
     for p in _profiles(recorded):
         for b in _budgets(p, 12):
             split, merged = plan_prefetch(p, b, coalesce=False), plan_prefetch(p, b)
-            assert sorted(u for s in merged.slots for u in s.gather_nodes) == \
-                sorted(u for s in split.slots for u in s.gather_nodes)
+            assert sorted(u for s in merged.slots for u in s.gather_nodes) == sorted(
+                u for s in split.slots for u in s.gather_nodes
+            )
             assert len(merged.slots) <= len(split.slots)
             for slot in merged.slots:
                 assert slot.nbytes <= 1 << 30
                 for u in slot.gather_nodes:  # never before the previous touch of its parameter
-                    assert all(not (x.ds_id == p.nodes[u].ds_id and x.kind in (GATHER, WAIT, RELEASE))
-                               for x in p.nodes[slot.index:u])
+                    assert all(
+                        not (x.ds_id == p.nodes[u].ds_id and x.kind in (GATHER, WAIT, RELEASE))
+                        for x in p.nodes[slot.index : u]
+                    )
     p = recorded[0]
     roomy = p.peak + sum(x.nbytes for x in p.nodes)
     split, merged = plan_prefetch(p, roomy, coalesce=False), plan_prefetch(p, roomy)
@@ -143,10 +162,10 @@ def test_persistence_goes_to_best_benefit_per_byte():
     ranked = sorted(cands, key=lambda c: (-(c[2] / c[1]), c[0]))
     for room in (0, 5, 60, 400, 2000, 10**6):
         chosen = plan_persistence(cands, peak=1000, budget=1000 + room)
-        assert list(chosen) == [c[0] for c in ranked[:len(chosen)]]  # a prefix of the ranking
+        assert list(chosen) == [c[0] for c in ranked[: len(chosen)]]  # a prefix of the ranking
         assert sum(c[1] for c in cands if c[0] in chosen) <= room
         if len(chosen) < len(cands):  # stopped because the next best did not fit
-            assert sum(c[1] for c in ranked[:len(chosen) + 1]) > room
+            assert sum(c[1] for c in ranked[: len(chosen) + 1]) > room
 
 
 def test_identical_inputs_give_identical_plans(recorded):
@@ -185,8 +204,13 @@ def _plan_on_rank():
     agreed = agree_profile(local, None)
     budget = (agreed.peak + min(x.alloc for x in agreed.nodes if x.kind != INPUT)) // 2
     plan = plan_prefetch(agreed, budget)
-    return dict(rank=dist.get_rank(), local_times=[x.time for x in local.nodes], fingerprint=plan.fingerprint(),
-                slots=[(s.index, s.ds_ids) for s in plan.slots], prefetched=plan.prefetched)
+    return dict(
+        rank=dist.get_rank(),
+        local_times=[x.time for x in local.nodes],
+        fingerprint=plan.fingerprint(),
+        slots=[(s.index, s.ds_ids) for s in plan.slots],
+        prefetched=plan.prefetched,
+    )
 
 
 def test_ranks_with_different_measurements_build_the_same_plan():

@@ -29,8 +29,12 @@ def test_unpatch_restores_the_originals():
     before = _originals()
     enable_memory_plan()
     assert memory_plan_enabled() and _originals()[0] is not before[0] and _originals()[1] is not before[1]
-    assert sorted(hf_zero3.unpatch()) == sorted(["deepspeed.DeepSpeedEngine.compile: default schedule",
-                                                 "accelerate.Accelerator._prepare_deepspeed: memory plan"])
+    assert sorted(hf_zero3.unpatch()) == sorted(
+        [
+            "deepspeed.DeepSpeedEngine.compile: default schedule",
+            "accelerate.Accelerator._prepare_deepspeed: memory plan",
+        ]
+    )
     assert _originals() == before and not memory_plan_enabled()
 
 

@@ -93,10 +93,17 @@ def _gated_graph_rank(agree: bool, drifts: tuple[int, ...]):
         out = Interpreter(rec.gm).run(*rec.inputs)
     gate.set_issue_fn(None)
     names = [n.target for n in rec.gm.graph.nodes if n.op == "call_function"]
-    return dict(rank=rank, issued=issued, counters=gate.counters(), same_output=torch.equal(out, reference),
-                slots=len(plan.slots), window_peaks=[s.window_peak for s in plan.slots], budget=budget,
-                inserted=sum(1 for t in names if "gated_prefetch" in str(t)),
-                launches=sum(1 for t in names if "agree_launch" in str(t)))
+    return dict(
+        rank=rank,
+        issued=issued,
+        counters=gate.counters(),
+        same_output=torch.equal(out, reference),
+        slots=len(plan.slots),
+        window_peaks=[s.window_peak for s in plan.slots],
+        budget=budget,
+        inserted=sum(1 for t in names if "gated_prefetch" in str(t)),
+        launches=sum(1 for t in names if "agree_launch" in str(t)),
+    )
 
 
 def _split_drift(plan_peaks, budget):
@@ -132,8 +139,9 @@ def test_rank_local_decisions_break_the_group():
     assert r0["counters"] != r1["counters"] or not all(ok for _, ok in r0["issued"] + r1["issued"])
 
 
-@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
-                    reason="no C++ compiler to build csrc/gate.cpp")
+@pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler to build csrc/gate.cpp"
+)
 def test_native_gate_builds_and_decides_like_the_fallback():
     code = r"""
 import torch, hf_zero3._ext as ext

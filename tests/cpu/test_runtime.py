@@ -37,8 +37,10 @@ def _two_engines():
             pol_logits = policy.module(ids).logits
         exp = [policy_ref.generate(**gen, do_sample=False), reference_ref.generate(**gen, do_sample=False)]
         out["generate_ok"] = [g.tolist() == e.tolist() for g, e in zip(got, exp)]
-        out["logits_ok"] = [torch.allclose(ref_logits, reference_ref(ids).logits, atol=1e-5),
-                            torch.allclose(pol_logits, policy_ref(ids).logits, atol=1e-5)]
+        out["logits_ok"] = [
+            torch.allclose(ref_logits, reference_ref(ids).logits, atol=1e-5),
+            torch.allclose(pol_logits, policy_ref(ids).logits, atol=1e-5),
+        ]
     rp, rr = runtime_of(policy), runtime_of(reference)
     out["distinct"] = rp is not rr and rp.engine is policy and rr.engine is reference
     out["keys"] = (rp.model_key(), rr.model_key())
@@ -95,8 +97,14 @@ def _group_of_two():
     out = {"group": group_ranks(rt.group)}
     mark("lockstep generate in my group")
     with torch.no_grad():
-        gen = hf_zero3.lockstep_generate(model, input_ids=torch.tensor([[5 + rank, 7, 9]]), max_new_tokens=4 + rank % 2,
-                                         eos_token_id=None, pad_token_id=0, gather="layerwise")
+        gen = hf_zero3.lockstep_generate(
+            model,
+            input_ids=torch.tensor([[5 + rank, 7, 9]]),
+            max_new_tokens=4 + rank % 2,
+            eos_token_id=None,
+            pad_token_id=0,
+            gather="layerwise",
+        )
         with hf_zero3.eval_forward(model):
             model(torch.tensor([[3, 4, 5]]))
     out["generated"] = gen.shape[1]
@@ -107,8 +115,13 @@ def _group_of_two():
     rec.process_group = None  # what DeepCompile's profile would leave: WORLD, unless the pass knows better
     peak = max(m[3] for m in rec.fwd_mem)
     state = MemoryState(allocated=peak // 2, reserved=peak // 2, free=10 * peak, total=11 * peak)
-    plan_pass = MemoryPlanPass(MemoryPlanConfig(safety_margin=0.0), runtime=rt, ops=STAND_IN_OPS,
-                               read_memory=lambda: state, persist_fn=lambda ds_id: None)
+    plan_pass = MemoryPlanPass(
+        MemoryPlanConfig(safety_margin=0.0),
+        runtime=rt,
+        ops=STAND_IN_OPS,
+        read_memory=lambda: state,
+        persist_fn=lambda ds_id: None,
+    )
     gid = 21
     out_gm = plan_pass(rec.gm, gid, [(gid, True)], {gid: rec}, None, 0.0, None, True)
     gate.set_launch_group(gid, rt.group, state_fn=lambda: MemoryState(0, 0, 11 * peak, 11 * peak))
@@ -161,9 +174,15 @@ def _hook_tables_around_suspension():
     after = [[list(t) for _, t in ds_up.module_hook_dicts(m)] for m in mods]
     expect = [[[k for k in t if k != user.id] for t in tables] for tables in before]
     expect[mods.index(alone)][0].append(added.id)
-    return dict(has_ds=has_ds, live=live, inside_ds=inside_ds, inside_user=inside_user, ids=len(ids),
-                same=after == expect,
-                ds_first=after[mods.index(alone)][0][:-1] == before[mods.index(alone)][0])
+    return dict(
+        has_ds=has_ds,
+        live=live,
+        inside_ds=inside_ds,
+        inside_user=inside_user,
+        ids=len(ids),
+        same=after == expect,
+        ds_first=after[mods.index(alone)][0][:-1] == before[mods.index(alone)][0],
+    )
 
 
 def test_deepspeed_hooks_come_off_and_back_in_their_order():

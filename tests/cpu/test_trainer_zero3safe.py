@@ -54,8 +54,7 @@ def _trainer_run(tmpdir):
 @pytest.fixture(scope="module")
 def trainer_results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("trainer")
-    return run_ranks(_trainer_run, 2, args=(str(tmp),), init="deepspeed", timeout=300,
-                     pg_timeout=30)
+    return run_ranks(_trainer_run, 2, args=(str(tmp),), init="deepspeed", timeout=300, pg_timeout=30)
 
 
 def test_eval_between_steps_leaves_training_unchanged(trainer_results):
@@ -89,8 +88,7 @@ def _seq2seq_generate(tmpdir):
     from hf_zero3.testing import models
     from hf_zero3.testing.trainer_job import make_trainer
 
-    trainer = make_trainer(f"{tmpdir}/s2s", callbacks=[Zero3Safe(sync_every=2)], max_steps=2,
-                           seq2seq=True, n_eval=3)
+    trainer = make_trainer(f"{tmpdir}/s2s", callbacks=[Zero3Safe(sync_every=2)], max_steps=2, seq2seq=True, n_eval=3)
     trainer.train()
 
     # uneven prompt lengths per rank: each rank's shard of a dataset of different-length rows
@@ -112,15 +110,13 @@ def _seq2seq_generate(tmpdir):
     exp = []
     with torch.no_grad():
         for row in Prompts():
-            g = ref.generate(input_ids=row["input_ids"][None], max_new_tokens=5, do_sample=False,
-                             pad_token_id=0)
+            g = ref.generate(input_ids=row["input_ids"][None], max_new_tokens=5, do_sample=False, pad_token_id=0)
             exp.append(g[0].tolist())
     return dict(pred=pred.predictions.tolist(), exp=exp, stats=stats)
 
 
 def test_predict_with_generate_uneven_prompts_matches_reference(tmp_path):
-    res = run_ranks(_seq2seq_generate, 2, args=(str(tmp_path),), init="deepspeed", timeout=240,
-                    pg_timeout=30)
+    res = run_ranks(_seq2seq_generate, 2, args=(str(tmp_path),), init="deepspeed", timeout=240, pg_timeout=30)
     for r in res:
         assert r["stats"] is not None and r["stats"].forwards == 5
         for got, exp in zip(r["pred"], r["exp"]):
@@ -138,15 +134,17 @@ def _zero2_with_a_bogus_plan_variable(tmpdir):
     from hf_zero3.testing.trainer_job import make_trainer, train_losses
 
     os.environ["HF_ZERO3_MODE"] = "bogus"
-    trainer = make_trainer(f"{tmpdir}/z2", callbacks=[Zero3Safe()], max_steps=2, eval_steps=1,
-                           ds_extra={"zero_optimization": {"stage": 2}})
+    trainer = make_trainer(
+        f"{tmpdir}/z2", callbacks=[Zero3Safe()], max_steps=2, eval_steps=1, ds_extra={"zero_optimization": {"stage": 2}}
+    )
     trainer.train()
     return dict(losses=train_losses(trainer), patches=patches.installed())
 
 
 def test_zero3safe_is_harmless_under_zero2(tmp_path):
-    for r in run_ranks(_zero2_with_a_bogus_plan_variable, 2, args=(str(tmp_path),), init="deepspeed",
-                       timeout=200, pg_timeout=30):
+    for r in run_ranks(
+        _zero2_with_a_bogus_plan_variable, 2, args=(str(tmp_path),), init="deepspeed", timeout=200, pg_timeout=30
+    ):
         assert len(r["losses"]) == 2 and r["patches"] == []
 
 
@@ -178,15 +176,31 @@ def _classifier_without_generate(tmpdir):
             return {"input_ids": self.rows[i][0], "labels": torch.tensor(self.rows[i][1])}
 
     def run(callbacks):
-        args = TrainingArguments(output_dir=f"{tmpdir}/bert", use_cpu=True, deepspeed=trainer_zero3_config(),
-                                 per_device_train_batch_size=2, per_device_eval_batch_size=1, max_steps=2,
-                                 report_to=[], save_strategy="no", disable_tqdm=True, seed=0)
-        cfg = BertConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                         intermediate_size=64, num_labels=2)
+        args = TrainingArguments(
+            output_dir=f"{tmpdir}/bert",
+            use_cpu=True,
+            deepspeed=trainer_zero3_config(),
+            per_device_train_batch_size=2,
+            per_device_eval_batch_size=1,
+            max_steps=2,
+            report_to=[],
+            save_strategy="no",
+            disable_tqdm=True,
+            seed=0,
+        )
+        cfg = BertConfig(
+            vocab_size=96,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            num_labels=2,
+        )
         torch.manual_seed(0)
         model = BertForSequenceClassification(cfg)  # built under the live ZeRO-3 config: partitioned
-        trainer = Trainer(model=model, args=args, train_dataset=Rows(8, 1), eval_dataset=Rows(4, 2),
-                          callbacks=callbacks)
+        trainer = Trainer(
+            model=model, args=args, train_dataset=Rows(8, 1), eval_dataset=Rows(4, 2), callbacks=callbacks
+        )
         trainer.train()
         return trainer
 
@@ -194,14 +208,19 @@ def _classifier_without_generate(tmpdir):
     trainer = run([Zero3Safe()])
     loss = trainer.evaluate()["eval_loss"]
     plan = trainer.model.hf_zero3_last_eval_plan
-    return dict(loss=loss, plain_loss=plain, plan=plan.strategy, partitioned=all(
-        p.numel() == 0 for p in trainer.model.parameters()),
-                said=[r.getMessage() for r in records if "has no generate()" in r.getMessage()])
+    return dict(
+        loss=loss,
+        plain_loss=plain,
+        plan=plan.strategy,
+        partitioned=all(p.numel() == 0 for p in trainer.model.parameters()),
+        said=[r.getMessage() for r in records if "has no generate()" in r.getMessage()],
+    )
 
 
 def test_zero3safe_protects_a_model_without_generate(tmp_path):
-    for r in run_ranks(_classifier_without_generate, 2, args=(str(tmp_path),), init="deepspeed", timeout=200,
-                       pg_timeout=30):
+    for r in run_ranks(
+        _classifier_without_generate, 2, args=(str(tmp_path),), init="deepspeed", timeout=200, pg_timeout=30
+    ):
         assert r["plan"] == "all" and r["partitioned"]
         assert r["loss"] == pytest.approx(r["plain_loss"], rel=1e-5)
         assert r["said"] and "BertForSequenceClassification" in r["said"][0]

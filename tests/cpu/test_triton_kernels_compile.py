@@ -18,8 +18,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 @pytest.mark.timeout(300)
 def test_every_kernel_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the real compiler
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "_compile_kernels_for_gpu.py")], env=env,
-                          capture_output=True, text=True, timeout=280)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "_compile_kernels_for_gpu.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     if "skip" in result:
@@ -27,7 +32,6 @@ def test_every_kernel_compiles_for_sm90():
     assert len(result) == 23, result
     failed = {k: v for k, v in result.items() if v != "ok"}
     assert not failed, failed
-
 
 
 _EMBED = r"""

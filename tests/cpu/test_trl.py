@@ -38,8 +38,9 @@ def _train(build, tmpdir, **kwargs):
     out["trainer_model"] = type(trainer.model).__name__
     trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
     out["only_lora_trains"] = bool(trainable) and all("lora_" in n for n in trainable)
-    out["first_draw"] = next((cb.first_draw for cb in trainer.callback_handler.callbacks
-                              if isinstance(cb, trl_jobs.DivergentDraws)), None)
+    out["first_draw"] = next(
+        (cb.first_draw for cb in trainer.callback_handler.callbacks if isinstance(cb, trl_jobs.DivergentDraws)), None
+    )
     return out
 
 
@@ -66,15 +67,15 @@ DISTILL_CASES = {
 def _grpo_cases(tmpdir):
     from hf_zero3.testing import trl_jobs
 
-    return {name: _train(trl_jobs.grpo_trainer, f"{tmpdir}/{name}", **kw)
-            for name, kw in GRPO_CASES.items()}
+    return {name: _train(trl_jobs.grpo_trainer, f"{tmpdir}/{name}", **kw) for name, kw in GRPO_CASES.items()}
 
 
 def _distill_cases(tmpdir):
     from hf_zero3.testing import trl_jobs
 
-    return {name: _train(getattr(trl_jobs, build), f"{tmpdir}/{name}", **kw)
-            for name, (build, kw) in DISTILL_CASES.items()}
+    return {
+        name: _train(getattr(trl_jobs, build), f"{tmpdir}/{name}", **kw) for name, (build, kw) in DISTILL_CASES.items()
+    }
 
 
 # -- fixtures: one launch per trainer family -----------------------------------------------------
@@ -87,8 +88,7 @@ def grpo_results(tmp_path_factory):
 @pytest.fixture(scope="module")
 def distill_results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("distill")
-    return run_ranks(_distill_cases, 2, args=(str(tmp),), init="deepspeed", timeout=300,
-                     pg_timeout=20)
+    return run_ranks(_distill_cases, 2, args=(str(tmp),), init="deepspeed", timeout=300, pg_timeout=20)
 
 
 def _both(results, name):
@@ -223,8 +223,9 @@ def _control(run_name, tmpdir, **kwargs):
 
 def _expect_failure(tmp_path, run_name, **kwargs):
     with pytest.raises(DistributedFailure) as info:
-        run_ranks(_control, 2, args=(run_name, str(tmp_path)), kwargs=kwargs, init="deepspeed",
-                  timeout=60, pg_timeout=8)
+        run_ranks(
+            _control, 2, args=(run_name, str(tmp_path)), kwargs=kwargs, init="deepspeed", timeout=60, pg_timeout=8
+        )
     failure = info.value
     assert "ok" not in failure.outcomes.values(), failure.outcomes
     # it broke while training, not while building
@@ -273,8 +274,9 @@ def _grpo_hooks_without_shim(tmpdir):
 
 
 def test_control_grpo_without_hook_shim_leaks_hooks_every_step(tmp_path):
-    counts = run_ranks(_grpo_hooks_without_shim, 2, args=(str(tmp_path),), init="deepspeed", timeout=120,
-                       pg_timeout=20)[0]
+    counts = run_ranks(
+        _grpo_hooks_without_shim, 2, args=(str(tmp_path),), init="deepspeed", timeout=120, pg_timeout=20
+    )[0]
     assert counts[1] >= counts[0] + 1, counts  # a rollout and a log-prob pass a step, a hook more each
 
 
@@ -290,13 +292,25 @@ def _compiled_grpo_graphs(tmpdir, shim: bool):
     from hf_zero3.trl.adapter import DEEPCOMPILE_PAD_TO_MULTIPLE_OF
 
     graphs = trl_jobs.GraphCount()
-    args = trl_jobs._args(GRPOConfig, tmpdir, num_generations=2, max_completion_length=GRPO_LEN, max_steps=4,
-                          torch_compile=True, torch_compile_backend="eager",
-                          pad_to_multiple_of=DEEPCOMPILE_PAD_TO_MULTIPLE_OF)
+    args = trl_jobs._args(
+        GRPOConfig,
+        tmpdir,
+        num_generations=2,
+        max_completion_length=GRPO_LEN,
+        max_steps=4,
+        torch_compile=True,
+        torch_compile_backend="eager",
+        pad_to_multiple_of=DEEPCOMPILE_PAD_TO_MULTIPLE_OF,
+    )
     tok = trl_jobs.tiny_tokenizer()
-    trainer = GRPOTrainer(model=trl_jobs._model(tok), reward_funcs=trl_jobs.length_reward, args=args,
-                          train_dataset=trl_jobs._prompts(), processing_class=tok,
-                          callbacks=[hf_zero3.Zero3Safe(), graphs])
+    trainer = GRPOTrainer(
+        model=trl_jobs._model(tok),
+        reward_funcs=trl_jobs.length_reward,
+        args=args,
+        train_dataset=trl_jobs._prompts(),
+        processing_class=tok,
+        callbacks=[hf_zero3.Zero3Safe(), graphs],
+    )
     if not shim:
         assert patches.remove("transformers.PreTrainedModel.enable_input_require_grads: replace, not add")
     mark(f"training compiled GRPO (shim={shim})")
@@ -308,8 +322,9 @@ def _compiled_grpo_graphs(tmpdir, shim: bool):
 def test_compiled_grpo_step_compiles_once(tmp_path, shim):
     """With the shim a compiled GRPO step compiles at step 1 and never again; without it (control)
     each rollout's leftover hook fails a Dynamo guard and the step recompiles."""
-    g0, g1 = run_ranks(_compiled_grpo_graphs, 2, args=(str(tmp_path), shim), init="deepspeed", timeout=240,
-                       pg_timeout=60)
+    g0, g1 = run_ranks(
+        _compiled_grpo_graphs, 2, args=(str(tmp_path), shim), init="deepspeed", timeout=240, pg_timeout=60
+    )
     assert g0 == g1 and len(g0) == 4 and g0[0] > 0
     if shim:
         assert len(set(g0)) == 1, g0
@@ -351,8 +366,9 @@ def test_deepcompile_padding_gives_every_rank_the_same_shapes(tmp_path):
     at different steps hang): under it the padded tensors take the group's length, so every rank's
     training forward has the same shape, and the entropies are those of TRL's own padding. Control (the
     same job without it): the shapes differ per rank."""
-    r0, r1 = run_ranks(_grpo_training_lengths_both, 2, args=(str(tmp_path),), init="deepspeed", timeout=240,
-                       pg_timeout=20)
+    r0, r1 = run_ranks(
+        _grpo_training_lengths_both, 2, args=(str(tmp_path),), init="deepspeed", timeout=240, pg_timeout=20
+    )
     aligned, control = (r0[True], r1[True]), (r0[False], r1[False])
     assert len(aligned[0]["lengths"]) == len(aligned[1]["lengths"]) == STEPS
     assert aligned[0]["lengths"] == aligned[1]["lengths"], [r["lengths"] for r in aligned]
@@ -366,8 +382,9 @@ def test_deepcompile_padding_gives_every_rank_the_same_shapes(tmp_path):
 
 def test_control_grpo_eval_without_region_release_fails(tmp_path):
     with pytest.raises(DistributedFailure) as info:
-        run_ranks(_grpo_eval_without_region_release, 2, args=(str(tmp_path),), init="deepspeed", timeout=180,
-                  pg_timeout=8)
+        run_ranks(
+            _grpo_eval_without_region_release, 2, args=(str(tmp_path),), init="deepspeed", timeout=180, pg_timeout=8
+        )
     assert "Nested GatheredParameters" in str(info.value), str(info.value)
 
 
@@ -375,9 +392,10 @@ def test_control_grpo_eval_without_region_release_fails(tmp_path):
 def _log_completions(tmpdir, fixed: bool):
     """GRPO with TRL's LogCompletionsCallback over 3 prompts, eval batch 1: rank 0 gets 2 prompts
     (2 generate() calls), rank 1 gets 1, after every step."""
+    from trl import LogCompletionsCallback
+
     import hf_zero3
     from hf_zero3.testing import trl_jobs
-    from trl import LogCompletionsCallback
 
     trainer = trl_jobs.grpo_trainer(tmpdir, callbacks=[hf_zero3.Zero3Safe()] if fixed else [])
     trainer.args.per_device_eval_batch_size = 1
@@ -396,8 +414,7 @@ def _log_completions(tmpdir, fixed: bool):
 
 
 def test_completion_logging_pads_the_uneven_split(tmp_path):
-    r0, r1 = run_ranks(_log_completions, 2, args=(str(tmp_path), True), init="deepspeed", timeout=200,
-                       pg_timeout=20)
+    r0, r1 = run_ranks(_log_completions, 2, args=(str(tmp_path), True), init="deepspeed", timeout=200, pg_timeout=20)
     assert r0["generate_calls"] == r1["generate_calls"]  # rank 1 generates a padding prompt too
     assert r0["forwards_per_call"] == r1["forwards_per_call"]
     assert r0["logged"] == 3 * STEPS  # the padding's completion is dropped: 3 prompts a step
@@ -450,9 +467,13 @@ def _rollout_run():
         torch.manual_seed(1234)
         batch = rollout.generate(request, sampling)
         stats = getattr(engine.module, "hf_zero3_last_generate", None)
-        return dict(input_ids=batch.input_ids.tolist(), attention_mask=batch.attention_mask.tolist(),
-                    response_start_idx=batch.response_start_idx.tolist(),
-                    forwards=counter.take(), stats_forwards=getattr(stats, "forwards", None))
+        return dict(
+            input_ids=batch.input_ids.tolist(),
+            attention_mask=batch.attention_mask.tolist(),
+            response_start_idx=batch.response_start_idx.tolist(),
+            forwards=counter.take(),
+            stats_forwards=getattr(stats, "forwards", None),
+        )
 
     out = {"eos_steps": [s for _, s in mine], "prompt_len": prompts.shape[1]}
     out["plain_greedy"] = run("plain greedy", greedy)

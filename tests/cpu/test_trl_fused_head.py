@@ -66,9 +66,19 @@ def test_a_softcapped_models_logits_are_not_transformed_twice():
 
     from hf_zero3.trl.fused_head import replace_fused_head
 
-    cfg = Gemma2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, final_logit_softcapping=2.0,
-                       pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg = Gemma2Config(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        final_logit_softcapping=2.0,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     models = []
     for _ in range(2):
         torch.manual_seed(0)
@@ -91,8 +101,15 @@ def _grpo_head_rank(tmpdir: str, deepcompile: bool, torch_compile: bool, peft: b
     from hf_zero3.testing.configs import trainer_zero3_config
 
     ds = trainer_zero3_config(extra={"compile": {"deepcompile": True}} if deepcompile else None)
-    args = trl_jobs._args(GRPOConfig, tmpdir, num_generations=2, max_completion_length=8,
-                          deepspeed=ds, torch_compile=torch_compile, pad_to_multiple_of=user_pad)
+    args = trl_jobs._args(
+        GRPOConfig,
+        tmpdir,
+        num_generations=2,
+        max_completion_length=8,
+        deepspeed=ds,
+        torch_compile=torch_compile,
+        pad_to_multiple_of=user_pad,
+    )
     tok = trl_jobs.tiny_tokenizer()
     model = trl_jobs._model(tok)
     peft_config = None
@@ -100,9 +117,15 @@ def _grpo_head_rank(tmpdir: str, deepcompile: bool, torch_compile: bool, peft: b
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
-    trainer = GRPOTrainer(model=model, reward_funcs=trl_jobs.length_reward, args=args,
-                          train_dataset=trl_jobs._prompts(), processing_class=tok,
-                          callbacks=[hf_zero3.Zero3Safe()], peft_config=peft_config)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=trl_jobs.length_reward,
+        args=args,
+        train_dataset=trl_jobs._prompts(),
+        processing_class=tok,
+        callbacks=[hf_zero3.Zero3Safe()],
+        peft_config=peft_config,
+    )
     # what on_train_begin does before the first (compiled) forward; TRL installs its head after init
     for cb in trainer.callback_handler.callbacks:
         if isinstance(cb, hf_zero3.Zero3Safe):
@@ -117,26 +140,40 @@ def _grpo_head_rank(tmpdir: str, deepcompile: bool, torch_compile: bool, peft: b
     realigned = pad_patch in patches.installed()
     base = trainer.model.get_base_model() if peft else trainer.model
     fwd = base.__dict__.get("forward")
-    return dict(ours=bool(getattr(fwd, "_hf_zero3_logits_head", False)), pad=trainer.pad_to_multiple_of,
-                aligned=(aligned, realigned),
-                trls=getattr(getattr(getattr(fwd, "__func__", None), "__code__", None), "co_name", None) == "_fused_forward")
+    return dict(
+        ours=bool(getattr(fwd, "_hf_zero3_logits_head", False)),
+        pad=trainer.pad_to_multiple_of,
+        aligned=(aligned, realigned),
+        trls=getattr(getattr(getattr(fwd, "__func__", None), "__code__", None), "co_name", None) == "_fused_forward",
+    )
 
 
-@pytest.mark.parametrize("deepcompile,torch_compile,peft,user_pad,expect", [
-    (True, True, False, None, True), (True, True, True, None, True),
-    (True, True, False, 16, True),       # the user's padding multiple is kept
-    (True, False, False, None, False),   # accelerate never compiles: TRL's head stays
-    (False, True, False, None, False),   # torch.compile without DeepCompile: TRL's head stays
-])
-def test_zero3safe_replaces_the_head_only_for_deepcompile_training(tmp_path, deepcompile, torch_compile, peft,
-                                                                  user_pad, expect):
+@pytest.mark.parametrize(
+    "deepcompile,torch_compile,peft,user_pad,expect",
+    [
+        (True, True, False, None, True),
+        (True, True, True, None, True),
+        (True, True, False, 16, True),  # the user's padding multiple is kept
+        (True, False, False, None, False),  # accelerate never compiles: TRL's head stays
+        (False, True, False, None, False),  # torch.compile without DeepCompile: TRL's head stays
+    ],
+)
+def test_zero3safe_replaces_the_head_only_for_deepcompile_training(
+    tmp_path, deepcompile, torch_compile, peft, user_pad, expect
+):
     """Under DeepCompile training, also: sequences padded to a multiple (one graph per length bucket,
     not per length) unless the user chose one."""
     from hf_zero3.testing import run_ranks
     from hf_zero3.trl.adapter import DEEPCOMPILE_PAD_TO_MULTIPLE_OF
 
-    r = run_ranks(_grpo_head_rank, 1, args=(str(tmp_path), deepcompile, torch_compile, peft, user_pad),
-                  init="deepspeed", timeout=180, pg_timeout=60)[0]
+    r = run_ranks(
+        _grpo_head_rank,
+        1,
+        args=(str(tmp_path), deepcompile, torch_compile, peft, user_pad),
+        init="deepspeed",
+        timeout=180,
+        pg_timeout=60,
+    )[0]
     assert r["ours"] is expect and r["trls"] is (not expect), r
     assert r["pad"] == (user_pad or (DEEPCOMPILE_PAD_TO_MULTIPLE_OF if expect else None)), r
     assert r["aligned"] == (expect, expect), r  # group-length padding under DeepCompile only

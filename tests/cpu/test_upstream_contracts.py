@@ -13,9 +13,9 @@ import torch
 
 from hf_zero3._upstream import accelerate as acc_up
 from hf_zero3._upstream import deepspeed as ds_up
+from hf_zero3._upstream import torch as torch_up
 from hf_zero3._upstream import transformers as hf_up
 from hf_zero3._upstream import trl as trl_up
-from hf_zero3._upstream import torch as torch_up
 from hf_zero3.testing import run_ranks
 
 
@@ -36,9 +36,13 @@ def _deepspeed_engine_contracts():
     engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
     p = next(engine.module.parameters())
     out = {}
-    out["param"] = (ds_up.is_zero3_param(p), ds_up.param_full_numel(p) == p.ds_numel > 0,
-                    ds_up.param_shard(p) is p.ds_tensor, isinstance(ds_up.param_id(p), int),
-                    ds_up.param_group(p) is not None)
+    out["param"] = (
+        ds_up.is_zero3_param(p),
+        ds_up.param_full_numel(p) == p.ds_numel > 0,
+        ds_up.param_shard(p) is p.ds_tensor,
+        isinstance(ds_up.param_id(p), int),
+        ds_up.param_group(p) is not None,
+    )
     params = list(engine.module.parameters())
     before = ds_up.param_available(p)
     ds_up.gather_now(params)
@@ -50,32 +54,48 @@ def _deepspeed_engine_contracts():
     offload = ds_up.engine_offload(engine)
     ids = ds_up.offload_hook_ids(offload)
     tables = {k for m in ds_up.offload_module(offload).modules() for _, t in ds_up.module_hook_dicts(m) for k in t}
-    out["engine"] = (ds_up.is_engine(engine), ds_up.engine_module(engine) is engine.module,
-                     ds_up.engine_global_steps(engine), ds_up.engine_zero_stage(engine),
-                     ds_up.deepcompile_enabled(engine), ds_up.deepcompile_active(engine),
-                     ds_up.engine_is_compiled(engine))
-    out["offload"] = (offload is not None, ds_up.offload_from_module_hooks(engine.module) is offload,
-                      ds_up.offload_module(offload) is engine.module, bool(ids) and ids <= tables)
+    out["engine"] = (
+        ds_up.is_engine(engine),
+        ds_up.engine_module(engine) is engine.module,
+        ds_up.engine_global_steps(engine),
+        ds_up.engine_zero_stage(engine),
+        ds_up.deepcompile_enabled(engine),
+        ds_up.deepcompile_active(engine),
+        ds_up.engine_is_compiled(engine),
+    )
+    out["offload"] = (
+        offload is not None,
+        ds_up.offload_from_module_hooks(engine.module) is offload,
+        ds_up.offload_module(offload) is engine.module,
+        bool(ids) and ids <= tables,
+    )
     out["pending"] = ds_up.pending_optimizer_bytes(engine) > 0
     module = engine.module
     found = ds_up.engine_forward_hooks(module)
     order = [list(t) for _, t in ds_up.module_hook_dicts(module)]
     with ds_up.engine_forward_hooks_suspended(module):
         inside = [set(t) for _, t in ds_up.module_hook_dicts(module)]
-    out["engine_hooks"] = (len(found), {k for _, k in found} == {engine.module_forward_pre_hook.id,
-                                                                 engine.module_forward_post_hook.id},
-                           all(k not in t for (_, k) in found for t in inside),
-                           [list(t) for _, t in ds_up.module_hook_dicts(module)] == order)
-    out["boundary"] = (hasattr(engine, "is_gradient_accumulation_boundary"), ds_up.accumulation_boundary(engine),
-                       ds_up.accumulation_boundary(object()))
+    out["engine_hooks"] = (
+        len(found),
+        {k for _, k in found} == {engine.module_forward_pre_hook.id, engine.module_forward_post_hook.id},
+        all(k not in t for (_, k) in found for t in inside),
+        [list(t) for _, t in ds_up.module_hook_dicts(module)] == order,
+    )
+    out["boundary"] = (
+        hasattr(engine, "is_gradient_accumulation_boundary"),
+        ds_up.accumulation_boundary(engine),
+        ds_up.accumulation_boundary(object()),
+    )
     out["deepcompile_supported"] = ds_up.deepcompile_supported()
 
     from deepspeed.runtime.rollout import HybridEngineRollout
 
     tok = type("Tok", (), {"eos_token_id": 2, "pad_token_id": 0})()
     rollout = HybridEngineRollout(engine, tok)
-    out["rollout"] = (ds_up.hybrid_rollout_module(rollout) is engine.module,
-                      ds_up.hybrid_rollout_tokenizer(rollout) is tok)
+    out["rollout"] = (
+        ds_up.hybrid_rollout_module(rollout) is engine.module,
+        ds_up.hybrid_rollout_tokenizer(rollout) is tok,
+    )
     return out
 
 
@@ -124,8 +144,11 @@ def test_zero3_linear_runs_its_forward_without_the_autograd_function_under_no_gr
     monkeypatch.setattr(F, "linear", zero3_linear_wrap)
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(5, 4, generator=g), torch.randn(5, generator=g)
-    inputs = [(torch.randn(3, 4, generator=g), b), (torch.randn(2, 3, 4, generator=g), b),
-              (torch.randn(2, 3, 4, generator=g), None)]
+    inputs = [
+        (torch.randn(3, 4, generator=g), b),
+        (torch.randn(2, 3, 4, generator=g), b),
+        (torch.randn(2, 3, 4, generator=g), None),
+    ]
     with torch.no_grad():
         before = [zero3_linear_wrap(x, w, bias) for x, bias in inputs]
         with ds_up.zero3_linear_without_autograd():
@@ -260,9 +283,13 @@ def _trainer_contracts(tmpdir):
     config = hf_up.trainer_deepspeed_config(trainer)
     before = hf_up.trainer_engine(trainer)
     trainer.train()
-    return dict(found=found["trainer"] is trainer, stage=config["zero_optimization"]["stage"],
-                engine_before=before is not None, engine_after=hf_up.trainer_engine(trainer) is trainer.model_wrapped,
-                outside=hf_up.trainer_calling_callback() is None)
+    return dict(
+        found=found["trainer"] is trainer,
+        stage=config["zero_optimization"]["stage"],
+        engine_before=before is not None,
+        engine_after=hf_up.trainer_engine(trainer) is trainer.model_wrapped,
+        outside=hf_up.trainer_calling_callback() is None,
+    )
 
 
 def test_trainer_found_from_its_callback_and_its_engine_after_prepare(tmp_path):
@@ -302,9 +329,13 @@ def _torch_contracts():
     module.compile(backend="eager")
     compiled = torch_up.compiled_call(module) is not None
     torch_up.set_compiled_call(module, None)
-    return dict(store=store.check(["hf_zero3/contract"]) and store.get("hf_zero3/contract") == b"1",
-                timeout=torch_up.group_timeout(dist.group.WORLD).total_seconds(), before=before,
-                compiled=compiled, reset=torch_up.compiled_call(module) is None)
+    return dict(
+        store=store.check(["hf_zero3/contract"]) and store.get("hf_zero3/contract") == b"1",
+        timeout=torch_up.group_timeout(dist.group.WORLD).total_seconds(),
+        before=before,
+        compiled=compiled,
+        reset=torch_up.compiled_call(module) is None,
+    )
 
 
 def test_torch_store_group_timeout_and_compiled_call():
@@ -361,7 +392,10 @@ def test_trl_trainer_methods_and_draw():
     assert "random.random() <= self.lmbda" in inspect.getsource(GKDTrainer.training_step)
     module = importlib.import_module(trl_up.GENERATE_COMPLETIONS[0])
     assert list(inspect.signature(getattr(module, trl_up.GENERATE_COMPLETIONS[1])).parameters)[:3] == [
-        "prompts", "model", "tokenizer"]
+        "prompts",
+        "model",
+        "tokenizer",
+    ]
     assert trl_up.per_rank_draw_trainer(GKDTrainer.__new__(GKDTrainer))
     assert not trl_up.per_rank_draw_trainer(GRPOTrainer.__new__(GRPOTrainer))
 
@@ -382,8 +416,14 @@ def test_checkpointing_disable_leaves_the_input_grad_hook_and_the_shim_replaces_
     it and the shim can go), then the shim: enable, disable, enable keeps one hook."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=2)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
     model = LlamaForCausalLM(cfg)
     hooks = model.get_input_embeddings()._forward_hooks
 
@@ -413,7 +453,7 @@ def test_trl_module_functions_wrap_and_restore():
     for location in (trl_up.ADD_HOOKS, trl_up.GENERATE_COMPLETIONS, trl_up.UNWRAP_FOR_GENERATION):
         module = importlib.import_module(location[0])
         original = getattr(module, location[1])
-        undo = trl_up.wrap_module_function(location, lambda fn: (lambda *a, **k: ("wrapped", fn)))
+        undo = trl_up.wrap_module_function(location, lambda fn: lambda *a, **k: ("wrapped", fn))
         assert getattr(module, location[1])()[1] is original
         undo()
         assert getattr(module, location[1]) is original

@@ -4,7 +4,6 @@ bf16 Llama of _deepcompile_workers under plain ZeRO-3 (no DeepCompile), rows end
 from __future__ import annotations
 
 import torch
-
 from _deepcompile_workers import build
 
 
@@ -29,42 +28,72 @@ def compiled_decode(new_tokens: int = 48):
     kw = dict(max_new_tokens=new_tokens, pad_token_id=0, eos_token_id=2)
     out = {}
     with torch.no_grad():
-        res = hf_zero3.lockstep_generate(engine, input_ids=ids, gather="all", decode="compiled", do_sample=False,
-                                         return_dict_in_generate=True, output_logits=True, **kw)
+        res = hf_zero3.lockstep_generate(
+            engine,
+            input_ids=ids,
+            gather="all",
+            decode="compiled",
+            do_sample=False,
+            return_dict_in_generate=True,
+            output_logits=True,
+            **kw,
+        )
         stats = module.hf_zero3_last_generate
-        out["first"] = dict(decode=stats.decode, reason=stats.decode_reason, compiles=stats.compiles,
-                            forwards=stats.forwards)
+        out["first"] = dict(
+            decode=stats.decode, reason=stats.decode_reason, compiles=stats.compiles, forwards=stats.forwards
+        )
         # teacher-forced: one eager forward (whole model gathered) over the compiled call's sequence
         seq = res.sequences
         with hf_zero3.eval_forward(engine, gather="all"):
             eager = module(input_ids=seq).logits.float()
         steps = len(res.logits)
-        eager_steps = eager[:, ids.shape[1] - 1: ids.shape[1] - 1 + steps]
+        eager_steps = eager[:, ids.shape[1] - 1 : ids.shape[1] - 1 + steps]
         compiled_steps = torch.stack([lg.float() for lg in res.logits], dim=1)
         diff = (eager_steps - compiled_steps).abs().max().item()
         scale = eager_steps.abs().max().item()
         out["teacher_forced"] = dict(max_abs_diff=diff, max_abs_logit=scale)
         # hf_zero3's static loop with CUDA graphs (no return_dict): a stop agreement every 4 steps;
         # teacher-forced, each chosen token is the eager forward's argmax within the bf16 tolerance
-        seq = hf_zero3.lockstep_generate(engine, input_ids=ids, gather="all", decode="compiled", do_sample=False,
-                                         sync_every=4, graph_steps=8, **kw)
+        seq = hf_zero3.lockstep_generate(
+            engine, input_ids=ids, gather="all", decode="compiled", do_sample=False, sync_every=4, graph_steps=8, **kw
+        )
         st = module.hf_zero3_last_generate
-        out["graphs"] = dict(loop=st.loop, reason=st.loop_reason, graph_steps=st.graph_steps, decode=st.decode,
-                             forwards=st.forwards, compiles=st.compiles, attention=st.attention,
-                             mlp_kernels=st.mlp_kernels, split_k=st.split_k, prefill=st.prefill,
-                             prefill_reason=st.prefill_reason, rope_attention=st.rope_attention,
-                             dependent_launches=st.dependent_launches, qkv_partials=st.qkv_partials)
+        out["graphs"] = dict(
+            loop=st.loop,
+            reason=st.loop_reason,
+            graph_steps=st.graph_steps,
+            decode=st.decode,
+            forwards=st.forwards,
+            compiles=st.compiles,
+            attention=st.attention,
+            mlp_kernels=st.mlp_kernels,
+            split_k=st.split_k,
+            prefill=st.prefill,
+            prefill_reason=st.prefill_reason,
+            rope_attention=st.rope_attention,
+            dependent_launches=st.dependent_launches,
+            qkv_partials=st.qkv_partials,
+        )
         # the same call again, back to back: it replays the graphs the last one captured (the
         # parameters and the new call's cache tensors land where the last ones were), the same tokens
-        again = hf_zero3.lockstep_generate(engine, input_ids=ids, gather="all", decode="compiled", do_sample=False,
-                                           sync_every=4, graph_steps=8, **kw)
+        again = hf_zero3.lockstep_generate(
+            engine, input_ids=ids, gather="all", decode="compiled", do_sample=False, sync_every=4, graph_steps=8, **kw
+        )
         out["again"] = dict(same=bool(torch.equal(again, seq)), reused=module.hf_zero3_last_generate.graphs_reused)
         # stop agreements run ahead, one before every step (the pinned flag copy, the step queued
         # ahead of the agreement and dropped at the stop): the same tokens
         os.environ["HF_ZERO3_RUN_AHEAD"] = "1"
         try:
-            ahead = hf_zero3.lockstep_generate(engine, input_ids=ids, gather="all", decode="compiled",
-                                               do_sample=False, sync_every=1, graph_steps=8, **kw)
+            ahead = hf_zero3.lockstep_generate(
+                engine,
+                input_ids=ids,
+                gather="all",
+                decode="compiled",
+                do_sample=False,
+                sync_every=1,
+                graph_steps=8,
+                **kw,
+            )
         finally:
             del os.environ["HF_ZERO3_RUN_AHEAD"]
         out["ahead"] = dict(same=bool(torch.equal(ahead, seq)), loop=module.hf_zero3_last_generate.loop)
@@ -74,14 +103,21 @@ def compiled_decode(new_tokens: int = 48):
         short = ids[:, :-2]
         seq = hf_zero3.lockstep_generate(engine, input_ids=short, gather="all", decode="compiled", **kw)
         st = module.hf_zero3_last_generate
-        out["second"] = dict(compiles=st.compiles, loop=st.loop, reused=st.graphs_reused,
-                             teacher_forced=_teacher_forced(engine, seq, short.shape[1], kw["eos_token_id"]))
+        out["second"] = dict(
+            compiles=st.compiles,
+            loop=st.loop,
+            reused=st.graphs_reused,
+            teacher_forced=_teacher_forced(engine, seq, short.shape[1], kw["eos_token_id"]),
+        )
         # sampling with a fixed seed, twice: identical tokens
         samples = []
         for _ in range(2):
             torch.manual_seed(1234)
-            samples.append(hf_zero3.lockstep_generate(engine, input_ids=ids, gather="all", decode="compiled",
-                                                      do_sample=True, top_k=20, **kw).tolist())
+            samples.append(
+                hf_zero3.lockstep_generate(
+                    engine, input_ids=ids, gather="all", decode="compiled", do_sample=True, top_k=20, **kw
+                ).tolist()
+            )
         out["sampling_reproducible"] = samples[0] == samples[1]
         out["sampling_loop"] = module.hf_zero3_last_generate.loop
     return out
@@ -95,7 +131,7 @@ def _teacher_forced(engine, seq, p: int, eos: int) -> dict:
     with hf_zero3.eval_forward(engine, gather="all"):
         eager = engine.module(input_ids=seq).logits.float()
     gen = seq[:, p:]
-    pred = eager[:, p - 1: p - 1 + gen.shape[1]]
+    pred = eager[:, p - 1 : p - 1 + gen.shape[1]]
     valid = torch.cumsum(torch.cumsum((gen == eos).long(), 1), 1) <= 1
     margin = (pred.max(-1).values - pred.gather(-1, gen[..., None]).squeeze(-1))[valid]
     return dict(max_margin=margin.max().item(), max_abs_logit=pred.abs().max().item(), tokens=int(valid.sum()))

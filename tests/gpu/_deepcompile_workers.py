@@ -15,7 +15,8 @@ SEQ = 128
 
 def dc_config(world_size: int, deepcompile: bool = True) -> dict:
     cfg = {
-        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
         "train_batch_size": 2 * world_size,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
         "bf16": {"enabled": True},
@@ -30,10 +31,19 @@ def dc_config(world_size: int, deepcompile: bool = True) -> dict:
 def llama_cfg():
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
-                       num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8,
-                       max_position_embeddings=1024, attn_implementation="sdpa",
-                       pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return LlamaConfig(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=4,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        max_position_embeddings=1024,
+        attn_implementation="sdpa",
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
 
 
 def build(deepcompile: bool = True, compile_: bool = True, torch_adam: bool = False):
@@ -90,10 +100,11 @@ def raw_eval_then_train():
     train_steps(engine, 3)
     engine.eval()
     errors = {}
-    for name, call in (("engine", lambda ids: engine(input_ids=ids)),
-                       ("module", lambda ids: engine.module(input_ids=ids)),
-                       ("dynamo_disable", torch._dynamo.disable(
-                           lambda ids: engine.module(input_ids=ids)))):
+    for name, call in (
+        ("engine", lambda ids: engine(input_ids=ids)),
+        ("module", lambda ids: engine.module(input_ids=ids)),
+        ("dynamo_disable", torch._dynamo.disable(lambda ids: engine.module(input_ids=ids))),
+    ):
         mark(f"raw eval through {name}")
         try:
             with torch.no_grad():
@@ -112,9 +123,8 @@ def raw_eval_then_train():
 
 def protected_eval(eval_first: bool = True, gather: str = "auto"):
     """train 7 -> [eval under hf_zero3] -> train 4; logits vs an eager copy of the same weights."""
-    from hf_zero3._upstream.torch import dynamo_graph_count
-
     import hf_zero3
+    from hf_zero3._upstream.torch import dynamo_graph_count
     from hf_zero3.testing import mark, models
 
     engine = build()
@@ -179,20 +189,28 @@ def trainer_deepcompile(tmpdir: str, with_zero3safe: bool):
             return {"input_ids": self.rows[i], "labels": self.rows[i]}
 
     ds = dc_config(dist.get_world_size())
-    ds.update(train_micro_batch_size_per_gpu="auto", train_batch_size="auto",
-              gradient_accumulation_steps="auto")
+    ds.update(train_micro_batch_size_per_gpu="auto", train_batch_size="auto", gradient_accumulation_steps="auto")
     ds["optimizer"]["params"]["lr"] = "auto"
-    args = TrainingArguments(output_dir=tmpdir, torch_compile=True, bf16=True,
-                             eval_strategy="steps", eval_steps=3, max_steps=7,
-                             per_device_train_batch_size=2, per_device_eval_batch_size=2,
-                             deepspeed=ds, report_to=[], save_strategy="no", logging_steps=1,
-                             disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=tmpdir,
+        torch_compile=True,
+        bf16=True,
+        eval_strategy="steps",
+        eval_steps=3,
+        max_steps=7,
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=2,
+        deepspeed=ds,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+    )
     cls = models.model_class_for(llama_cfg())
     torch.manual_seed(0)
     model = cls._from_config(llama_cfg(), dtype=torch.bfloat16)
     cbs = [Zero3Safe()] if with_zero3safe else []
-    trainer = Trainer(model=model, args=args, train_dataset=Rows(32, 1),
-                      eval_dataset=Rows(6, 2), callbacks=cbs)
+    trainer = Trainer(model=model, args=args, train_dataset=Rows(32, 1), eval_dataset=Rows(6, 2), callbacks=cbs)
     mark("trainer.train with eval every 3 steps")
     trainer.train()
     evals = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]

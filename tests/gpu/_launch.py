@@ -12,5 +12,6 @@ def world() -> int:
 
 
 def run(fn, *args, timeout=420, **kwargs):
-    return run_ranks(fn, world(), args=args, kwargs=kwargs, backend="nccl", init="deepspeed", timeout=timeout,
-                     pg_timeout=120)
+    return run_ranks(
+        fn, world(), args=args, kwargs=kwargs, backend="nccl", init="deepspeed", timeout=timeout, pg_timeout=120
+    )

@@ -4,7 +4,6 @@ _deepcompile_workers, bf16, ZeRO-3 default settings, DeepCompile."""
 from __future__ import annotations
 
 import torch
-
 from _deepcompile_workers import batch, build, dc_config, llama_cfg
 
 
@@ -31,8 +30,14 @@ def _step(engine, s):
     return float(loss.item())
 
 
-def train(setting: str, steps: int = 6, plan_kwargs: dict | None = None, squeeze_after: int | None = None,
-          squeeze_rank: int = 0, squeeze_gib: float = 0.0):
+def train(
+    setting: str,
+    steps: int = 6,
+    plan_kwargs: dict | None = None,
+    squeeze_after: int | None = None,
+    squeeze_rank: int = 0,
+    squeeze_gib: float = 0.0,
+):
     """Train ``steps`` steps; from step ``squeeze_after`` on, rank ``squeeze_rank`` alone holds an
     extra ``squeeze_gib`` GiB, so its headroom differs from its peers'."""
     import torch.distributed as dist
@@ -52,8 +57,13 @@ def train(setting: str, steps: int = 6, plan_kwargs: dict | None = None, squeeze
     del ballast
     from hf_zero3.compile import gate
 
-    return dict(losses=losses, counters=snapshots, plan=planner.summary() if planner else None,
-                rank=dist.get_rank(), agree_backends=sorted({dist.get_backend(g) for g in gate._GROUPS.values()}))
+    return dict(
+        losses=losses,
+        counters=snapshots,
+        plan=planner.summary() if planner else None,
+        rank=dist.get_rank(),
+        agree_backends=sorted({dist.get_backend(g) for g in gate._GROUPS.values()}),
+    )
 
 
 def accelerate_plugin(steps: int = 3):
@@ -82,8 +92,7 @@ def accelerate_plugin(steps: int = 3):
         accelerator.backward(loss)  # accelerate's DeepSpeed wrapper also steps the engine
         losses.append(float(loss.item()))
     planner = hf_zero3.runtime_of(engine).memory_plan
-    return dict(compiled=bool(engine.is_compiled), losses=losses,
-                plan=planner.summary() if planner else None)
+    return dict(compiled=bool(engine.is_compiled), losses=losses, plan=planner.summary() if planner else None)
 
 
 # --- issue #13's user configuration -------------------------------------------------------------
@@ -98,10 +107,20 @@ USER_CAP_GIB = {1: 30.0, 2: 16.0}
 def llama_1b_config():
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048,
-                       tie_word_embeddings=True, attn_implementation="sdpa", pad_token_id=0, bos_token_id=1,
-                       eos_token_id=2)
+    return LlamaConfig(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        attn_implementation="sdpa",
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
 
 
 def train_user_config(setting: str, steps: int = 12, cap_gib: float | None = None):
@@ -121,9 +140,15 @@ def train_user_config(setting: str, steps: int = 12, cap_gib: float | None = Non
     cap = USER_CAP_GIB[world] if cap_gib is None else cap_gib
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     torch.cuda.set_per_process_memory_fraction(cap * 2**30 / total)
-    ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": world,
-          "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}},
-          "zero_optimization": {"stage": 3}, "steps_per_print": 10**9}
+    ds = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": world,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}},
+        "zero_optimization": {"stage": 3},
+        "steps_per_print": 10**9,
+    }
     if setting != "plain":
         ds["compile"] = {"deepcompile": True}
     torch.manual_seed(0)
@@ -144,6 +169,10 @@ def train_user_config(setting: str, steps: int = 12, cap_gib: float | None = Non
         engine.backward(loss)
         engine.step()
         losses.append(float(loss.item()))
-    return dict(losses=losses, cap_gib=cap, peak_alloc=torch.cuda.max_memory_allocated(),
-                plan=planner.summary() if planner else None,
-                calibration=[list(h) for h in planner.calibration.history] if planner else None)
+    return dict(
+        losses=losses,
+        cap_gib=cap,
+        peak_alloc=torch.cuda.max_memory_allocated(),
+        plan=planner.summary() if planner else None,
+        calibration=[list(h) for h in planner.calibration.history] if planner else None,
+    )

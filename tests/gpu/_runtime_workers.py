@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from _deepcompile_workers import build, eval_ids, train_steps
 
 
@@ -37,21 +36,26 @@ def two_deepcompile_engines():
         with torch.no_grad():
             diffs.append((reference.module(input_ids=ids).logits.float() - expected).abs().max().item())
     rt_p, rt_r = hf_zero3.runtime_of(policy), hf_zero3.runtime_of(reference)
-    return dict(losses=losses, diffs=diffs, policy_plan=plan_p.summary(), reference_plan=plan_r.summary(),
-                own=(rt_p.memory_plan is plan_p, rt_r.memory_plan is plan_r, rt_p is not rt_r))
+    return dict(
+        losses=losses,
+        diffs=diffs,
+        policy_plan=plan_p.summary(),
+        reference_plan=plan_r.summary(),
+        own=(rt_p.memory_plan is plan_p, rt_r.memory_plan is plan_r, rt_p is not rt_r),
+    )
 
 
 def grpo_deepcompile(tmpdir: str, gradient_checkpointing: bool = True):
     """TRL GRPO whose policy engine runs DeepCompile (torch_compile=True, Zero3Safe): it trains,
     generates before every step and evaluates, and the training graphs are compiled once."""
+    import logging
+
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
     import hf_zero3
     from hf_zero3.testing.configs import trainer_zero3_config
     from hf_zero3.testing.trl_jobs import GraphCount, _prompts, length_reward, tiny_tokenizer
-
-    import logging
 
     tok = tiny_tokenizer()
     ds = trainer_zero3_config(extra={"compile": {"deepcompile": True}, "bf16": {"enabled": True}})
@@ -64,27 +68,60 @@ def grpo_deepcompile(tmpdir: str, gradient_checkpointing: bool = True):
     torch._logging.set_logs(recompiles=True)
     logging.getLogger("torch._dynamo.guards.__recompiles").addHandler(Recompiles())
 
-    args = GRPOConfig(output_dir=tmpdir, bf16=True, torch_compile=True, deepspeed=ds,
-                      per_device_train_batch_size=4, per_device_eval_batch_size=4, num_generations=4,
-                      max_completion_length=32, max_steps=5, eval_strategy="steps", eval_steps=2,
-                      report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True,
-                      gradient_checkpointing=gradient_checkpointing)
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
-                      num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=1024,
-                      attn_implementation="sdpa", pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    args = GRPOConfig(
+        output_dir=tmpdir,
+        bf16=True,
+        torch_compile=True,
+        deepspeed=ds,
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+        num_generations=4,
+        max_completion_length=32,
+        max_steps=5,
+        eval_strategy="steps",
+        eval_steps=2,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        gradient_checkpointing=gradient_checkpointing,
+    )
+    cfg = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=4,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        max_position_embeddings=1024,
+        attn_implementation="sdpa",
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM._from_config(cfg, dtype=torch.bfloat16)
-    trainer = GRPOTrainer(model=model, reward_funcs=length_reward, args=args, train_dataset=_prompts(),
-                          eval_dataset=_prompts(4), processing_class=tok,
-                          callbacks=[hf_zero3.Zero3Safe(), graphs])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=length_reward,
+        args=args,
+        train_dataset=_prompts(),
+        eval_dataset=_prompts(4),
+        processing_class=tok,
+        callbacks=[hf_zero3.Zero3Safe(), graphs],
+    )
     trainer.train()
     logs = trainer.state.log_history
     rt = hf_zero3.runtime_of(trainer.model_wrapped)
-    return dict(losses=[h["loss"] for h in logs if "loss" in h], evals=[h for h in logs if "eval_loss" in h
-                                                                       or "eval_reward" in h],
-                graphs=graphs.counts, recompiles=recompiles[:8], deepcompile=rt.deepcompile_active(),
-                plan=rt.memory_plan.summary() if rt.memory_plan else None,
-                gather=rt.last_generate.gather if rt.last_generate else None)
+    return dict(
+        losses=[h["loss"] for h in logs if "loss" in h],
+        evals=[h for h in logs if "eval_loss" in h or "eval_reward" in h],
+        graphs=graphs.counts,
+        recompiles=recompiles[:8],
+        deepcompile=rt.deepcompile_active(),
+        plan=rt.memory_plan.summary() if rt.memory_plan else None,
+        gather=rt.last_generate.gather if rt.last_generate else None,
+    )
 
 
 def grpo_compiled_decode(tmpdir: str, steps: int = 3, cuda: bool = True):
@@ -104,23 +141,59 @@ def grpo_compiled_decode(tmpdir: str, steps: int = 3, cuda: bool = True):
 
         def on_step_end(self, args, state, control, model=None, **kwargs):
             g = hf_zero3.runtime_of(model).last_generate
-            self.seen.append(dict(loop=g.loop, loop_reason=g.loop_reason, decode=g.decode, reason=g.decode_reason,
-                                  graph_steps=g.graph_steps, reused=g.graphs_reused, loop_reused=g.loop_reused,
-                                  attention=g.attention,
-                                  forwards=g.forwards))
+            self.seen.append(
+                dict(
+                    loop=g.loop,
+                    loop_reason=g.loop_reason,
+                    decode=g.decode,
+                    reason=g.decode_reason,
+                    graph_steps=g.graph_steps,
+                    reused=g.graphs_reused,
+                    loop_reused=g.loop_reused,
+                    attention=g.attention,
+                    forwards=g.forwards,
+                )
+            )
 
     tok = tiny_tokenizer()
     ds = trainer_zero3_config(extra={"bf16": {"enabled": cuda}})
-    args = GRPOConfig(output_dir=tmpdir, bf16=cuda, use_cpu=not cuda, deepspeed=ds, per_device_train_batch_size=4,
-                      num_generations=4, max_completion_length=32, max_steps=steps, report_to=[], save_strategy="no",
-                      logging_steps=1, disable_tqdm=True)
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
-                      num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=1024,
-                      attn_implementation="sdpa", pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    args = GRPOConfig(
+        output_dir=tmpdir,
+        bf16=cuda,
+        use_cpu=not cuda,
+        deepspeed=ds,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=32,
+        max_steps=steps,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+    )
+    cfg = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=4,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        max_position_embeddings=1024,
+        attn_implementation="sdpa",
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM._from_config(cfg, dtype=torch.bfloat16 if cuda else torch.float32)
     rollouts = Rollouts()
-    trainer = GRPOTrainer(model=model, reward_funcs=length_reward, args=args, train_dataset=_prompts(),
-                          processing_class=tok, callbacks=[hf_zero3.Zero3Safe(decode="compiled"), rollouts])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=length_reward,
+        args=args,
+        train_dataset=_prompts(),
+        processing_class=tok,
+        callbacks=[hf_zero3.Zero3Safe(decode="compiled"), rollouts],
+    )
     trainer.train()
     return dict(losses=[h["loss"] for h in trainer.state.log_history if "loss" in h], rollouts=rollouts.seen)

@@ -5,7 +5,6 @@ hf_zero3's static loop replaying CUDA graphs: each chosen token the eager forwar
 bf16 tolerance (teacher-forced)."""
 
 import pytest
-
 from _launch import run as _run
 
 pytestmark = pytest.mark.gpu
@@ -33,7 +32,9 @@ def test_compiled_decode_matches_eager_logits_and_does_not_recompile():
         assert g["split_k"] == 8, g  # 4 layers' down (2816: 4 slices) and o_proj (1024: 2) through split-K
         assert g["rope_attention"] == 4, g  # rotary + cache write + attention in one kernel, every layer
         # programmatic dependent launches by default on an H100/H200, none with HF_ZERO3_PDL=0
-        assert g["dependent_launches"] == (graph_decode.pdl_enabled() and decode_gemm.dependent_unavailable("cuda") is None), g
+        assert g["dependent_launches"] == (
+            graph_decode.pdl_enabled() and decode_gemm.dependent_unavailable("cuda") is None
+        ), g
         # with them, the fused q/k/v projection through the split-K GEMM into the rope kernel
         assert g["qkv_partials"] == (g["dependent_launches"] and decode_attention.rope_qkv_enabled()), g
         print("graphs:", g)  # for the record (mlp_kernels: MLPs through hf_zero3's Triton GEMMs)

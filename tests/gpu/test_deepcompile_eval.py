@@ -5,7 +5,6 @@ import math
 import statistics
 
 import pytest
-
 from _launch import run as _run
 
 from hf_zero3.testing import DistributedFailure

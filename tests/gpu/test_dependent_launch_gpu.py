@@ -17,7 +17,7 @@ def _weights(layers=LAYERS, hidden=2048, inter=8192):
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def w(n, k):
-        return torch.randn(n, k, generator=g, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+        return torch.randn(n, k, generator=g, device="cuda", dtype=torch.bfloat16) * k**-0.5
 
     return [(w(inter, hidden), w(inter, hidden), w(hidden, inter), w(hidden, hidden)) for _ in range(layers)]
 
@@ -74,8 +74,9 @@ def test_dependent_gemms_compute_the_plain_launches_results(rows):
     torch.testing.assert_close(_mlp_stack(x, weights, dep_gate_up, dep_split), expected, rtol=0, atol=0)
     timings, graphs = {}, {}
     for name, (gu, sp, options) in {
-            "plain": (gate_up, split, {}),
-            "dependent": (dep_gate_up, dep_split, torch_up.inductor_dependent_launch_options())}.items():
+        "plain": (gate_up, split, {}),
+        "dependent": (dep_gate_up, dep_split, torch_up.inductor_dependent_launch_options()),
+    }.items():
         torch._dynamo.reset()
         compiled = torch.compile(lambda x: _mlp_stack(x, weights, gu, sp), fullgraph=True, options=options or None)
         graphs[name] = _graph(compiled, x)
@@ -97,8 +98,10 @@ def test_dependent_gemms_compute_the_plain_launches_results(rows):
         assert all(gap <= 0.05 * max(1.0, scale) for gap in gaps.values()), (scale, gaps)
     for name, (graph, _) in graphs.items():
         timings[name] = _replay_us(graph)
-    print(f"rows {rows}: {LAYERS} layers of norm + gate/up + down + o_proj in one CUDA graph, us per replay:",
-          {k: round(v, 1) for k, v in timings.items()})
+    print(
+        f"rows {rows}: {LAYERS} layers of norm + gate/up + down + o_proj in one CUDA graph, us per replay:",
+        {k: round(v, 1) for k, v in timings.items()},
+    )
 
 
 def test_dependent_rope_attention_computes_the_plain_launchs_result():
@@ -117,8 +120,10 @@ def test_dependent_rope_attention_computes_the_plain_launchs_result():
 
         def step(q, ck, cv, n):
             # the query from a kernel right before (as from the q/k/v GEMM), the fill count after
-            out = gqa_decode.rope_decode_attention(q * 1.0, k, v, cos, sin, ck, cv, n, keep, 0.125,
-                                                   dependent=dependent) + 0
+            out = (
+                gqa_decode.rope_decode_attention(q * 1.0, k, v, cos, sin, ck, cv, n, keep, 0.125, dependent=dependent)
+                + 0
+            )
             n.add_(1)
             return out
 
@@ -149,21 +154,41 @@ def test_qkv_partials_into_the_rope_kernel_match_the_projections_gemm():
     rows, heads, kv, dim = 64, 32, 8, 64
     g = torch.Generator(device="cuda").manual_seed(3)
     x = torch.randn(rows, 2048, generator=g, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn((heads + 2 * kv) * dim, 2048, generator=g, device="cuda", dtype=torch.bfloat16) * 2048 ** -0.5
+    w = torch.randn((heads + 2 * kv) * dim, 2048, generator=g, device="cuda", dtype=torch.bfloat16) * 2048**-0.5
     sizes = [heads * dim, kv * dim, kv * dim]
     split_op = decode_gemm.load_dependent("cuda")[1]
 
     def cublas(x, ck, cv, n):
         q, k, v = torch.nn.functional.linear(x, w).split(sizes, -1)
-        return gqa_decode.rope_decode_attention(q.view(rows, heads, dim), k.view(rows, kv, dim),
-                                                v.view(rows, kv, dim), cos, sin, ck, cv, n, keep, 0.125,
-                                                dependent=True)
+        return gqa_decode.rope_decode_attention(
+            q.view(rows, heads, dim),
+            k.view(rows, kv, dim),
+            v.view(rows, kv, dim),
+            cos,
+            sin,
+            ck,
+            cv,
+            n,
+            keep,
+            0.125,
+            dependent=True,
+        )
 
     def partials(x, ck, cv, n):
         q, k, v = split_op(x, w, 4).split(sizes, -1)
-        return gqa_decode.rope_decode_attention(q.view(4, rows, heads, dim), k.view(4, rows, kv, dim),
-                                                v.view(4, rows, kv, dim), cos, sin, ck, cv, n, keep, 0.125,
-                                                dependent=True)
+        return gqa_decode.rope_decode_attention(
+            q.view(4, rows, heads, dim),
+            k.view(4, rows, kv, dim),
+            v.view(4, rows, kv, dim),
+            cos,
+            sin,
+            ck,
+            cv,
+            n,
+            keep,
+            0.125,
+            dependent=True,
+        )
 
     results = {}
     for name, fn in (("cublas", cublas), ("partials", partials)):
@@ -177,5 +202,7 @@ def test_qkv_partials_into_the_rope_kernel_match_the_projections_gemm():
     for got, want in zip(results["partials"], results["cublas"]):
         assert got.abs().max() > 0
         torch.testing.assert_close(got, want, rtol=0.02, atol=0.02)
-    print("q/k/v partials vs cuBLAS's projection, max abs diff (attention, key, value):",
-          [round((a - b).abs().max().item(), 5) for a, b in zip(results["partials"], results["cublas"])])
+    print(
+        "q/k/v partials vs cuBLAS's projection, max abs diff (attention, key, value):",
+        [round((a - b).abs().max().item(), 5) for a, b in zip(results["partials"], results["cublas"])],
+    )

@@ -15,7 +15,7 @@ def _case(batch=64, heads=32, kv=8, dim=64, length=192, dtype=torch.bfloat16):
     v = torch.randn(batch, kv, length, dim, generator=g, device="cuda", dtype=dtype)
     keep = torch.zeros(batch, 1, 1, length, dtype=torch.bool, device="cuda")
     for i in range(batch):
-        keep[i, ..., i % 7: 64 + (3 * i) % 100] = True  # left padding, the unfilled tail
+        keep[i, ..., i % 7 : 64 + (3 * i) % 100] = True  # left padding, the unfilled tail
     return q, k, v, keep
 
 
@@ -26,7 +26,7 @@ def test_kernel_within_tolerance_of_the_pytorch_form(dtype):
 
     assert gqa_decode.is_available(), gqa_decode.unavailable_reason()
     q, k, v, keep = _case(dtype=dtype)
-    scale = 64 ** -0.5
+    scale = 64**-0.5
     out = gqa_decode.gqa_decode_attention(q, k, v, keep, scale)
     exact, _ = attention(None, q.float(), k.float(), v.float(), keep, scaling=scale)
     torch_form, _ = attention(None, q, k, v, keep, scaling=scale)
@@ -71,7 +71,7 @@ def _rope_case(batch=64, heads=32, kv=8, dim=64, length=192, pos=100, dtype=torc
     vc = torch.randn(batch, kv, length, dim, generator=g, device="cuda", dtype=dtype)
     keep = torch.zeros(batch, 1, 1, length, dtype=torch.bool, device="cuda")
     for i in range(batch):
-        keep[i, ..., i % 7: pos + 1] = True
+        keep[i, ..., i % 7 : pos + 1] = True
     return q, k, v, cos, sin, kc, vc, keep
 
 
@@ -80,8 +80,9 @@ def _rope_reference(q, k, v, cos, sin, kc, vc, keep, pos):
 
     from hf_zero3.generation.decode_attention import attention
 
-    qr, kr = apply_rotary_pos_emb(q[:, :, None].float(), k[:, :, None].float(), cos[:, None].float(),
-                                  sin[:, None].float())
+    qr, kr = apply_rotary_pos_emb(
+        q[:, :, None].float(), k[:, :, None].float(), cos[:, None].float(), sin[:, None].float()
+    )
     kc, vc = kc.float().clone(), vc.float().clone()
     at = torch.tensor([pos], device=q.device)
     kc.index_copy_(2, at, kr.to(q.dtype).float())
@@ -97,7 +98,7 @@ def test_rope_kernel_within_tolerance_of_float32_math(dtype):
     q, k, v, cos, sin, kc, vc, keep = _rope_case(dtype=dtype)
     exact, ref_k, ref_v = _rope_reference(q, k, v, cos, sin, kc, vc, keep, 100)
     counter = torch.tensor(100, device="cuda")
-    out = gqa_decode.rope_decode_attention(q, k, v, cos, sin, kc, vc, counter, keep, 64 ** -0.5)
+    out = gqa_decode.rope_decode_attention(q, k, v, cos, sin, kc, vc, counter, keep, 64**-0.5)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     assert (out.float() - exact).abs().max().item() <= tol
     assert (kc.float() - ref_k).abs().max().item() <= (1e-5 if dtype == torch.float32 else 2e-2)
@@ -141,7 +142,6 @@ def test_rope_kernel_compiled_and_replayed_writes_the_cache_in_place():
     assert torch.equal(ck, eager_k) and torch.equal(cv, eager_v) and int(cn) == 101
 
 
-
 def test_rope_inputs_are_built_once_a_step_not_once_a_layer():
     """Several layers' rope kernels in one compiled step, reading the loop's 2-D padding mask and
     cos/sin computed from the positions in the step (as the static loop's step does): with the
@@ -169,9 +169,12 @@ def test_rope_inputs_are_built_once_a_step_not_once_a_layer():
             cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
             if rotary_op:
                 cos, sin = _rotary_rows(cos, sin)
-            outs = [gqa_decode.rope_decode_attention(q, k, v, cos, sin, kc_i, vc_i, counter, padding, 0.125)
-                    for kc_i, vc_i in caches]
+            outs = [
+                gqa_decode.rope_decode_attention(q, k, v, cos, sin, kc_i, vc_i, counter, padding, 0.125)
+                for kc_i, vc_i in caches
+            ]
             return torch.stack(outs).sum(0)
+
         return step
 
     generated = {}
@@ -179,17 +182,37 @@ def test_rope_inputs_are_built_once_a_step_not_once_a_layer():
         step = make(rotary_op)
         for layers in (2, 4):
             caches = [(kc.clone(), vc.clone()) for _ in range(layers)]
-            expected = step(q, k, v, [(a.clone(), b.clone()) for a, b in caches],
-                            torch.tensor(100, device="cuda"), padding, positions)
+            expected = step(
+                q,
+                k,
+                v,
+                [(a.clone(), b.clone()) for a, b in caches],
+                torch.tensor(100, device="cuda"),
+                padding,
+                positions,
+            )
             torch._dynamo.reset()
-            out, code = run_and_get_code(torch.compile(step, fullgraph=True), q, k, v, caches,
-                                         torch.tensor(100, device="cuda"), padding, positions)
+            out, code = run_and_get_code(
+                torch.compile(step, fullgraph=True),
+                q,
+                k,
+                v,
+                caches,
+                torch.tensor(100, device="cuda"),
+                padding,
+                positions,
+            )
             torch.testing.assert_close(out, expected)
             for (ck, cv), (ek, ev) in zip(caches, [(kc, vc)] * layers):
                 assert not torch.equal(ck, ek) and torch.equal(ck[:, :, :100], ek[:, :, :100])  # wrote at 100
             # inductor's own kernels computing cos or sin (the user kernel is @triton.jit'd apart)
             src = "\n".join(code)
-            generated[rotary_op, layers] = len({m.group(1) for m in re.finditer(r"def (triton_\w+)\(", src)
-                                                if "cos" in m.group(1) or "sin" in m.group(1)})
+            generated[rotary_op, layers] = len(
+                {
+                    m.group(1)
+                    for m in re.finditer(r"def (triton_\w+)\(", src)
+                    if "cos" in m.group(1) or "sin" in m.group(1)
+                }
+            )
     print("kernels computing cos/sin, (rotary op, layers):", generated)
     assert generated[True, 2] == generated[True, 4] <= generated[False, 4], generated

@@ -6,7 +6,6 @@ engine through accelerate with no dynamo settings."""
 import math
 
 import pytest
-
 from _launch import run as _run
 from _launch import world as _world
 
@@ -44,8 +43,14 @@ def test_gate_defers_identically_when_one_rank_is_squeezed(reference):
         pytest.skip("agreement needs two ranks")
     # A budget a few GiB above the model's needs, then rank 0 alone takes most of the headroom.
     # calibrate_steps=0: the gate alone (calibration has its own tests)
-    res = _run(train, "plan", plan_kwargs={"max_memory": "12GiB", "persist": False, "calibrate_steps": 0},
-               squeeze_after=3, squeeze_rank=0, squeeze_gib=9.0)
+    res = _run(
+        train,
+        "plan",
+        plan_kwargs={"max_memory": "12GiB", "persist": False, "calibrate_steps": 0},
+        squeeze_after=3,
+        squeeze_rank=0,
+        squeeze_gib=9.0,
+    )
     c0, c1 = res[0]["counters"], res[1]["counters"]
     assert c0 == c1, "ranks took different gate decisions"
     # The agreement ran on the host (gloo mirror of the NCCL group), not as a stream-draining NCCL op.
@@ -82,8 +87,12 @@ def test_default_mode_trains_the_user_configuration_under_a_cap():
     ref = _run(train_user_config, "zero3_only", timeout=560)
     ours = _run(train_user_config, "default", timeout=560)
     for a, b in zip(ours, ref):
-        print("user config:", {k: a[k] for k in ("cap_gib", "peak_alloc", "plan", "calibration")}, "reference peak",
-              b["peak_alloc"])
+        print(
+            "user config:",
+            {k: a[k] for k in ("cap_gib", "peak_alloc", "plan", "calibration")},
+            "reference peak",
+            b["peak_alloc"],
+        )
         assert len(a["losses"]) == 12 and all(math.isfinite(x) for x in a["losses"])
         assert a["losses"] == pytest.approx(b["losses"], rel=2e-2)
         assert a["plan"]["calibrated"], a["plan"]

@@ -5,7 +5,6 @@ between steps and evaluates without recompiling its training graphs."""
 import math
 
 import pytest
-
 from _launch import run as _run
 
 pytestmark = pytest.mark.gpu
@@ -44,10 +43,14 @@ def test_trl_grpo_rollouts_run_the_static_loop_with_cuda_graphs(tmp_path):
     from hf_zero3.generation.decode_attention import KERNEL, NAME
 
     res = _run(grpo_compiled_decode, str(tmp_path), timeout=380)
-    print("rollouts:", [[(g["loop_reused"], g["reused"], g["forwards"], g["reason"]) for g in r["rollouts"]] for r in res])  # for the record
+    print(
+        "rollouts:", [[(g["loop_reused"], g["reused"], g["forwards"], g["reason"]) for g in r["rollouts"]] for r in res]
+    )  # for the record
     for r in res:
         assert len(r["losses"]) == 3 and all(math.isfinite(x) for x in r["losses"]), r
         for g in r["rollouts"]:
             assert g["loop"] == "hf_zero3" and g["decode"] == "compiled", g
-            assert g["graph_steps"] > 0 and g["attention"] in (NAME, KERNEL), g  # grouped heads (Triton at >= 1 program per SM)
+            assert g["graph_steps"] > 0 and g["attention"] in (NAME, KERNEL), (
+                g
+            )  # grouped heads (Triton at >= 1 program per SM)
     assert len({tuple(g["forwards"] for g in r["rollouts"]) for r in res}) == 1  # lockstep across ranks
