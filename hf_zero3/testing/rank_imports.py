@@ -21,6 +21,7 @@ MODULES = (
     "torch",
     "torch.distributed",
     "torch._dynamo",
+    "torch._inductor.compile_fx",  # what the first torch.compile of a rank imports: seconds
     "torch.fx",
     "deepspeed",
     "deepspeed.runtime.engine",
@@ -36,6 +37,10 @@ MODULES = (
     "trl",
     "trl.trainer.grpo_trainer",
     "hf_zero3",
+    "hf_zero3.generation",
+    "hf_zero3.trainer",
+    "hf_zero3.trl",
+    "hf_zero3.compile",
 )
 
 for _name in MODULES:
