@@ -66,7 +66,6 @@ OURS = {
     "hf_zero3_graphs_kernel_always": (8, 8, {"HF_ZERO3_TRITON_ATTENTION": "always"}),
     "hf_zero3_graphs_cublas_mlp": (8, 8, {"HF_ZERO3_TRITON_MLP": _OFF}),
     "hf_zero3_graphs_eager_prefill": (8, 8, {"HF_ZERO3_COMPILE_PREFILL": _OFF}),
-    "hf_zero3_graphs_cpp_prefill": (8, 8, {"HF_ZERO3_PREFILL_CPP_WRAPPER": _ON}),
     "hf_zero3_graphs_no_split": (8, 8, {"HF_ZERO3_SPLIT_K": _OFF}),
     "hf_zero3_graphs_no_pdl": (8, 8, {"HF_ZERO3_PDL": _OFF}),
     "hf_zero3_graphs_cublas_qkv": (8, 8, {"HF_ZERO3_TRITON_QKV": _OFF}),

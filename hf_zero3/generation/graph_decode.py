@@ -260,28 +260,18 @@ def _prompt_logits(model, **kwargs):
     return model(**kwargs).logits[:, -1]
 
 
-_ONCE: dict = {}  # (function, inductor options) -> its torch.compile(fullgraph=True), built at first use
+_ONCE: dict = {}  # function -> its torch.compile(fullgraph=True), built at first use
 
 
-def _compiled_once(fn, **options):
-    """``fn`` compiled into one graph with inductor ``options``, built once per process
-    (:func:`_prompt_logits`, :func:`_greedy_tail`: their own code objects, so their own Dynamo
-    caches)."""
-    key = (fn, tuple(sorted(options.items())))
-    compiled = _ONCE.get(key)
+def _compiled_once(fn):
+    """``fn`` compiled into one graph, built once per process (:func:`_prompt_logits`,
+    :func:`_greedy_tail`: their own code objects, so their own Dynamo caches). Inductor's default
+    Python wrapper: a C++ wrapper for the prompt forward gave no gain and a slower first compile
+    (see the ablations in benchmarks/RESULTS.md)."""
+    compiled = _ONCE.get(fn)
     if compiled is None:
-        compiled = _ONCE[key] = torch.compile(fn, fullgraph=True, **({"options": options} if options else {}))
+        compiled = _ONCE[fn] = torch.compile(fn, fullgraph=True)
     return compiled
-
-
-def prefill_options() -> dict:
-    """Inductor options of the compiled prompt forward. ``HF_ZERO3_PREFILL_CPP_WRAPPER=1`` (opt-in)
-    generates its wrapper in C++ (inductor's ``cpp_wrapper``), for where the prompt forward's host
-    side (hundreds of Triton launches from Python) takes longer than its GPU time, so that the GPU
-    waits for it and the loop lookup after it cannot hide behind it. Opt-in: where measured it
-    gave no reliable gain (see the ablations in benchmarks/RESULTS.md), and its first compile
-    takes longer (a C++ build)."""
-    return {"cpp_wrapper": True} if _switch.on("HF_ZERO3_PREFILL_CPP_WRAPPER", default=False) else {}
 
 
 def _record_token(nxt, unfinished, pad, eos, out, idx, own, alive, tok, pos) -> None:
@@ -362,7 +352,7 @@ def _prefill(model, input_ids, mask, positions, cache) -> tuple[torch.Tensor, st
                 ds_up.engine_forward_hooks_suspended(model),
                 torch_up.hook_guards(),
             ):
-                return _compiled_once(_prompt_logits, **prefill_options())(model, **{**kwargs, **dims}), "compiled"
+                return _compiled_once(_prompt_logits)(model, **{**kwargs, **dims}), "compiled"
         except _COMPILE_ERRORS as exc:
             _PREFILL_FAILED[model] = why = f"the prompt's forward does not compile into one graph ({_why(exc)})"
             log.warning("hf_zero3 lockstep: eager prefill: %s", why)

@@ -122,39 +122,6 @@ def test_a_4d_attention_mask_keeps_transformers_loop(parts):
     assert gd.unsupported(model, [], [], cfg, None, kwargs, 8) is None
 
 
-def test_the_prompt_forward_with_a_cpp_wrapper_writes_the_same_cache(monkeypatch):
-    """HF_ZERO3_PREFILL_CPP_WRAPPER=1 compiles the prompt's forward with inductor's C++ wrapper (its
-    own compiled function beside the Python-wrapper one): the same last-position logits and the
-    same static cache as the default compiled forward, for a left-padded prompt."""
-    from transformers.cache_utils import StaticCache
-
-    from hf_zero3.generation import graph_decode as gd
-    from hf_zero3.testing import models
-
-    model = models.plain_model(models.tiny_llama_config(attn_implementation="sdpa")).eval()
-    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [3, 4, 5, 6, 7, 9]])
-    mask, positions = gd._prompt_inputs(ids, {"attention_mask": torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6])})
-
-    def prefill():
-        cache = StaticCache(config=model.config, max_cache_len=16)
-        with torch.no_grad():
-            logits, how = gd._prefill(model, ids, mask, positions, cache)
-        return logits, how, [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
-
-    monkeypatch.delenv("HF_ZERO3_PREFILL_CPP_WRAPPER", raising=False)
-    assert gd.prefill_options() == {}
-    ref = prefill()
-    monkeypatch.setenv("HF_ZERO3_PREFILL_CPP_WRAPPER", "1")
-    assert gd.prefill_options() == {"cpp_wrapper": True}
-    got = prefill()
-    assert ref[1] == got[1] == "compiled" and model not in gd._PREFILL_FAILED
-    assert (gd._prompt_logits, (("cpp_wrapper", True),)) in gd._ONCE
-    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-5)
-    for (k1, v1), (k2, v2) in zip(got[2], ref[2]):
-        torch.testing.assert_close(k1, k2, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-6)
-
-
 def test_dependent_launches_fall_back_quietly_by_default_and_say_why_when_asked(parts, monkeypatch, caplog):
     """HF_ZERO3_PDL (on by default) makes the decode steps' kernels programmatic dependent launches
     where the GPU can; here (no Hopper GPU) the loop launches as usual: silently at the default,
