@@ -42,7 +42,7 @@ demo: $(STAMP)
 
 # Two pytest workers: single-process tests and waits of one test fill the cores the other leaves idle.
 test: $(STAMP)
-	$(PY) -m pytest tests/cpu -q -n 2 --dist loadscope
+	$(PY) -m pytest tests/cpu -q -n 2 --dist loadscope --no-loadscope-reorder
 
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict -d site

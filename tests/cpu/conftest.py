@@ -8,3 +8,20 @@ import torch
 # Triton for its GPU tests.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# Modules whose multi-rank fixtures compile on CPU for minutes, longest first. pytest-xdist
+# (`make test`: two workers, one module at a time each, `--no-loadscope-reorder`) starts them
+# first, so the two workers finish together instead of one running a long module alone at the end.
+LONG_MODULES_FIRST = (
+    "test_compiled_decode.py",
+    "test_trl.py",
+    "test_lockstep_generation.py",
+    "test_static_loop.py",
+    "test_agree_or_raise.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    order = {name: i for i, name in enumerate(LONG_MODULES_FIRST)}
+    items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: a module keeps its order
