@@ -20,18 +20,15 @@ import re
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Callable, Mapping
 
+from hf_zero3.options import ENVIRONMENT
+
 __all__ = ["MemoryPlanConfig", "ConfigError", "parse_bytes", "SECTION", "OTHER_ENV"]
 
 SECTION = ("hf_zero3", "memory_plan")
 MODES = ("budget", "match_zero3")
-#: HF_ZERO3_* variables that are not memory-plan fields (so a typo among the rest is caught).
-OTHER_ENV = (
-    "HF_ZERO3_NATIVE",
-    "HF_ZERO3_BUILD_EXT",
-    "HF_ZERO3_PLAN_DUMP",
-    "HF_ZERO3_AGREE_TIMEOUT",
-    "HF_ZERO3_PG_TIMEOUT",
-)
+#: HF_ZERO3_* variables that are not memory-plan fields (so a typo among the rest is caught): the
+#: package's one registry, decode switches included.
+OTHER_ENV = tuple(ENVIRONMENT)
 _UNITS = {
     "": 1,
     "b": 1,

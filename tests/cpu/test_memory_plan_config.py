@@ -273,3 +273,70 @@ def test_a_section_that_is_not_a_mapping_is_refused():
     with pytest.raises(ConfigError, match=r"hf_zero3.memory_plan must be a mapping of settings, got list"):
         MemoryPlanConfig.from_ds_config({"hf_zero3": {"memory_plan": []}}, env={})
     assert MemoryPlanConfig.from_dict({"plan_step": "2"}, env={}).plan_step == 2  # whole numbers as text are fine
+
+
+def _documented_variables() -> list[str]:
+    import re
+    from pathlib import Path
+
+    page = Path(__file__).resolve().parents[2] / "docs" / "reference" / "environment.md"
+    return re.findall(r"^\| `(HF_ZERO3_[A-Z0-9_]+)` \|", page.read_text(), flags=re.M)
+
+
+#: A value a user would set for each documented variable; the memory plan's own take "auto".
+_SAMPLE_VALUES = {
+    "HF_ZERO3_AGREE_TIMEOUT": "30",
+    "HF_ZERO3_PLAN_DUMP": "plan_dump",
+    "HF_ZERO3_NATIVE": "0",
+    "HF_ZERO3_BUILD_EXT": "1",
+    "HF_ZERO3_PG_TIMEOUT": "20",
+    "HF_ZERO3_TRITON_ATTENTION": "always",
+    "HF_ZERO3_PDL_PREFETCH": "0",
+    "HF_ZERO3_RUN_AHEAD": "1",
+}
+
+
+def _every_documented_variable_rank(names):
+    import os
+
+    from hf_zero3 import MemoryPlanConfig, Zero3DeepSpeedPlugin
+    from hf_zero3.compile.config import ConfigError
+    from hf_zero3.testing import strict_zero3_config
+
+    ds = strict_zero3_config(world_size=1, extra={"compile": {"deepcompile": True}})
+    refused = {}
+    for name in names:
+        os.environ[name] = _SAMPLE_VALUES.get(
+            name, "auto" if name.lower()[9:] in MemoryPlanConfig.__dataclass_fields__ else "0"
+        )
+        try:
+            MemoryPlanConfig.from_ds_config(ds)
+            Zero3DeepSpeedPlugin(hf_ds_config=ds)
+        except ConfigError as exc:
+            refused[name] = str(exc)
+        finally:
+            del os.environ[name]
+    os.environ["HF_ZERO3_PDLL"] = "0"  # and a typo is still caught
+    try:
+        MemoryPlanConfig.from_ds_config(ds)
+    except ConfigError as exc:
+        typo = str(exc)
+    else:
+        typo = None
+    return refused, typo
+
+
+def test_every_documented_variable_builds_the_plugin_and_the_memory_plan_config():
+    """Setting any documented HF_ZERO3_* variable (a decode switch such as HF_ZERO3_PDL=0 included)
+    leaves the memory plan's settings and the accelerate plugin buildable; a misspelt one is still
+    refused by name. The registry, the documentation's table and the code name the same variables."""
+    from hf_zero3.options import ENVIRONMENT
+
+    names = _documented_variables()
+    assert set(ENVIRONMENT) <= set(names), set(ENVIRONMENT) - set(names)
+    (result,) = run_ranks(
+        _every_documented_variable_rank, 1, args=(names,), init="deepspeed", timeout=120, pg_timeout=30
+    )
+    refused, typo = result
+    assert refused == {}, refused
+    assert typo is not None and "HF_ZERO3_PDLL" in typo and "did you mean HF_ZERO3_PDL?" in typo, typo
