@@ -3,9 +3,9 @@
 torch, DeepSpeed, transformers, accelerate, PEFT and TRL.
 
 Importing them costs a fresh interpreter about ten seconds of CPU; a test suite that starts two
-ranks per test would otherwise pay that for every test. Nothing here runs an op, starts a thread
-or touches CUDA: the fork server must stay safe to fork. Optional libraries that are not
-installed are skipped.
+ranks per test would otherwise pay that for every test. Nothing here runs an op, leaves a thread
+or a child process running, or touches CUDA: the fork server must stay safe to fork. Optional
+libraries that are not installed are skipped.
 """
 
 from __future__ import annotations
@@ -48,3 +48,12 @@ for _name in MODULES:
         importlib.import_module(_name)
     except ImportError:  # an optional library (TRL, PEFT) that this environment lacks
         pass
+
+# Inductor probes the CPU's vector ISA by building and running test programs, once per process
+# (an lru_cache): probed here, every forked rank that compiles inherits the answer.
+try:
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    pick_vec_isa()
+except Exception:  # no C++ toolchain: each rank finds out for itself, as it would unforked
+    pass

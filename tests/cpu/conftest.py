@@ -14,10 +14,10 @@ if not torch.cuda.is_available():
 # (`make test`: two workers, one module at a time each, `--no-loadscope-reorder`) starts them
 # first, so the two workers finish together instead of one running a long module alone at the end.
 LONG_MODULES_FIRST = (
+    "test_static_loop.py",
     "test_compiled_decode.py",
     "test_trl.py",
     "test_lockstep_generation.py",
-    "test_static_loop.py",
     "test_agree_or_raise.py",
 )
 
