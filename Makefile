@@ -37,7 +37,10 @@ $(STAMP): pyproject.toml requirements/tested.txt
 
 install: $(STAMP)
 
+# The DeepSpeed CPU comm op is built once before the ranks start (two ranks building it at once
+# can leave a stale build lock behind; hf_zero3/testing/warm.py).
 demo: $(STAMP)
+	$(PY) -m hf_zero3.testing.warm
 	$(PY) examples/demo.py
 
 # Two pytest workers: single-process tests and waits of one test fill the cores the other leaves idle.
@@ -45,7 +48,7 @@ test: $(STAMP)
 	$(PY) -m pytest tests/cpu -q -n 2 --dist loadscope --no-loadscope-reorder
 
 docs: $(STAMP)
-	$(VENV)/bin/mkdocs build --strict -d site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -d site
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
