@@ -15,9 +15,11 @@ if not torch.cuda.is_available():
 # first, so the two workers finish together instead of one running a long module alone at the end.
 LONG_MODULES_FIRST = (
     "test_static_loop.py",
-    "test_compiled_decode.py",
     "test_trl.py",
+    "test_compiled_decode.py",
     "test_lockstep_generation.py",
+    "test_compiled_batch_sizes.py",
+    "test_compiled_grpo.py",
     "test_agree_or_raise.py",
 )
 
