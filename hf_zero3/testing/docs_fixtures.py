@@ -81,13 +81,8 @@ def tiny_model(seed: int = 0):
     """A tiny ``LlamaForCausalLM`` (2 layers, hidden 32, GQA 4/2 heads, vocab 96) in fp32, built
     the plain way, before any DeepSpeed config exists: ``deepspeed.initialize`` (or the Trainer)
     partitions it."""
-    import torch
-    from transformers import LlamaForCausalLM
-
     config = models.tiny_llama_config()
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    model.generation_config.pad_token_id = config.pad_token_id
+    model = models.plain_model(config, seed=seed)
     model.generation_config.eos_token_id = config.eos_token_id
     return model
 
@@ -137,16 +132,12 @@ def run_example(code: str, label: str, workdir: str) -> dict[str, Any]:
 
     ``label`` (``file:line``) names the code in tracebacks. Returns ``{"rank", "ran"}``.
     """
-    import torch
     import torch.distributed as dist
 
     from .launcher import mark
 
-    world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if world > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    os.chdir(workdir)
+    os.chdir(workdir)  # run_ranks already gave each CPU rank its share of the cores
     namespace = example_namespace()
     mark(f"running {label}")
     exec(compile(code, label, "exec"), namespace)
