@@ -21,6 +21,7 @@ import faulthandler
 import multiprocessing
 import os
 import pickle
+import re
 import shutil
 import signal
 import socket
@@ -37,6 +38,11 @@ _STATE_FILE: str | None = None
 
 #: Outcomes a rank can have, in the order a report lists the worst first.
 OK, ERROR, DIED, HANG = "ok", "error", "died", "hang"
+
+#: How gloo words a collective that ran past the process-group timeout: the waiting side
+#: reports "Timed out ...", or, when its peer's pair closed first, "Application timeout caused
+#: pair closure".
+_COLLECTIVE_TIMEOUT = re.compile(r"timed out|application timeout", re.IGNORECASE)
 
 
 @dataclass
@@ -78,6 +84,12 @@ class DistributedFailure(AssertionError):
     @property
     def outcomes(self) -> dict[int, str]:
         return {r.rank: r.outcome for r in self.reports}
+
+    @property
+    def timed_out(self) -> bool:
+        """A rank hung, or a collective ran past the process-group timeout (a hang the
+        timeout turned into an error)."""
+        return any(r.outcome == HANG or _COLLECTIVE_TIMEOUT.search(r.error) for r in self.reports)
 
     def _format(self) -> str:
         lines = [

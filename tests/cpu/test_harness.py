@@ -74,6 +74,7 @@ def test_hang_is_reported_with_stack_and_state():
     r0, r1 = err.reports
     assert r0.state == "rank0 in all_reduce"
     assert "all_reduce" in r0.error or "Timed out" in r0.error or "timeout" in r0.error.lower()
+    assert err.timed_out
     assert r1.state == "rank1 sleeping instead of all_reduce"
     assert "_sleep_here_forever" in r1.stack
     text = str(err)
@@ -112,3 +113,16 @@ def _alive(pid):
     # a zombie reaped by nobody counts as gone
     with open(f"/proc/{pid}/status") as f:
         return "zombie" not in f.read()
+
+
+def test_a_gloo_pair_closed_by_its_peers_timeout_counts_as_timed_out():
+    """When one side's timeout closes the pair first, gloo tells the other side "Application
+    timeout caused pair closure", not "Timed out": both are the same hang."""
+    from hf_zero3.testing.launcher import RankReport
+
+    def report(rank, error):
+        return RankReport(rank, "error", 1, "training", error, "", "")
+
+    closed = "RuntimeError: Application timeout caused pair closure"
+    assert DistributedFailure([report(0, closed), report(1, "ValueError: bad shape")], 1.0).timed_out
+    assert not DistributedFailure([report(0, "ValueError: bad shape")], 1.0).timed_out

@@ -242,7 +242,7 @@ def test_control_grpo_tools_without_fix_crashes(tmp_path):
 def test_control_gkd_divergent_draws_without_fix_hangs(tmp_path):
     failure = _expect_failure(tmp_path, "run_gkd")
     # rank 0 generates (gathering per layer), rank 1 does not: a collective waits in vain
-    assert "Timed out" in str(failure) or "hang" in failure.outcomes.values(), str(failure)
+    assert failure.timed_out, str(failure)
 
 
 def _grpo_eval_without_region_release(tmpdir):
