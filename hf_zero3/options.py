@@ -20,9 +20,7 @@ DECODE_SWITCHES: dict[str, str] = {
     "HF_ZERO3_FUSE_ROPE": "rotary embedding and cache write inside the attention kernel (on)",
     "HF_ZERO3_TRITON_QKV": "fused q/k/v as split-K partials summed in the rope kernel (on)",
     "HF_ZERO3_PDL": "decode kernels as programmatic dependent launches where the GPU can (on)",
-    "HF_ZERO3_PDL_PREFETCH": "weight columns a dependent GEMM asks L2 for before it waits (0)",
     "HF_ZERO3_COMPILE_PREFILL": "the static loop compiles the prompt's forward (on)",
-    "HF_ZERO3_RUN_AHEAD": "the step after each stop agreement queued before it (off)",
 }
 
 #: Every variable besides the memory plan's per-field ones.

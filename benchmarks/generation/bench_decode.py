@@ -11,9 +11,9 @@ Rows (``config``):
                        the static loop, CUDA graphs of 8 steps, a stop agreement every 8 steps.
   hf_zero3_*           one row per switch that differs from the defaults (``OURS`` below: graphs of
                        1 step or none, q/k/v unfused, the PyTorch or always the Triton attention,
-                       cuBLAS for the MLP / down / o_proj / q/k/v, eager or C++-wrapper prompt
-                       forward, the fused rotary + cache write on/off, stop agreements run ahead
-                       on/off, dependent launches off or prefetching, ``sync_every=1``).
+                       cuBLAS for the MLP / down / o_proj / q/k/v, eager prompt
+                       forward, the fused rotary + cache write on/off, dependent launches off,
+                       ``sync_every=1``).
   layerwise            lockstep with per-layer gathers (ZeRO-3's hooks live).
 ``BENCH_CONFIGS`` (comma-separated names, or ``all``; default the first three) picks the rows; a
 name given twice is measured twice (the second row's name gets ``#2``): the host's drift within one
@@ -69,19 +69,11 @@ OURS = {
     "hf_zero3_graphs_no_split": (8, 8, {"HF_ZERO3_SPLIT_K": _OFF}),
     "hf_zero3_graphs_no_pdl": (8, 8, {"HF_ZERO3_PDL": _OFF}),
     "hf_zero3_graphs_cublas_qkv": (8, 8, {"HF_ZERO3_TRITON_QKV": _OFF}),
-    "hf_zero3_graphs_pdl_prefetch256": (8, 8, {"HF_ZERO3_PDL_PREFETCH": "256"}),
-    "hf_zero3_graphs_pdl_prefetch1k": (8, 8, {"HF_ZERO3_PDL_PREFETCH": "1024"}),
     "hf_zero3_graphs_fused_rope": (8, 8, {"HF_ZERO3_FUSE_ROPE": _ON}),
     "hf_zero3_graphs_no_rope": (8, 8, {"HF_ZERO3_FUSE_ROPE": _OFF}),
     "hf_zero3_graphs_rope_always": (8, 8, {"HF_ZERO3_FUSE_ROPE": _ON, "HF_ZERO3_TRITON_ATTENTION": "always"}),
-    "hf_zero3_graphs_ahead": (8, 8, {"HF_ZERO3_RUN_AHEAD": _ON}),
-    "hf_zero3_graphs_no_ahead": (8, 8, {"HF_ZERO3_RUN_AHEAD": _OFF}),
-    "hf_zero3_graphs_rope_ahead": (8, 8, {"HF_ZERO3_FUSE_ROPE": _ON, "HF_ZERO3_RUN_AHEAD": _ON}),
     # a stop agreement every step: lockstep's and Zero3Safe's default
     "hf_zero3_graphs_sync1": (8, 1, {}),
-    "hf_zero3_graphs_sync1_ahead": (8, 1, {"HF_ZERO3_RUN_AHEAD": _ON}),
-    "hf_zero3_graphs_sync1_no_ahead": (8, 1, {"HF_ZERO3_RUN_AHEAD": _OFF}),
-    "hf_zero3_graphs_sync1_rope_ahead": (8, 1, {"HF_ZERO3_FUSE_ROPE": _ON, "HF_ZERO3_RUN_AHEAD": _ON}),
 }
 SWITCHES = sorted({k for *_, env in OURS.values() for k in env})
 # the slow per-layer baseline last, so that a run cut short still has the main comparison

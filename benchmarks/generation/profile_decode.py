@@ -340,7 +340,7 @@ _LABELS = (
 
 def _variants() -> list[tuple[str, int, dict]]:
     """``PROFILE_VARIANTS``: ``name[:sync=N][,SWITCH=VALUE...]`` separated by ``;`` (default: the
-    library's defaults at sync_every=8), e.g. ``default;ahead:HF_ZERO3_RUN_AHEAD=1;sync1:sync=1``."""
+    library's defaults at sync_every=8), e.g. ``default;no_rope:HF_ZERO3_FUSE_ROPE=0;sync1:sync=1``."""
     out = []
     for item in os.environ.get("PROFILE_VARIANTS", "default").split(";"):
         name, _, rest = item.partition(":")

@@ -1,8 +1,7 @@
 """The decode loop's on/off environment switches (``HF_ZERO3_FUSE_QKV``, ``HF_ZERO3_TRITON_MLP``,
 ``HF_ZERO3_SPLIT_K``, ``HF_ZERO3_COMPILE_PREFILL``, ``HF_ZERO3_FUSE_ROPE``, ``HF_ZERO3_PDL``,
 ``HF_ZERO3_TRITON_QKV``: on
-unless set to 0/false/no/off; ``HF_ZERO3_RUN_AHEAD``: off unless set to 1/true/yes/on), read one
-way."""
+unless set to 0/false/no/off), read one way."""
 
 from __future__ import annotations
 

@@ -15,8 +15,7 @@ Lockstep semantics are those of the transformers loop it replaces (:mod:`.lockst
 agreed step budget, a stop agreement every ``sync_every`` steps (``stop="sync"``) or none
 (``stop="fixed"``), the same number of forwards on every rank, EOS masking with the pad token,
 and the same output (a rank's output ends where its own rows were all done). Ranks that take
-this loop and ranks that take transformers' issue the same agreements at the same steps. With
-``HF_ZERO3_RUN_AHEAD=1`` the step after each agreement is queued before it (:func:`ahead_enabled`).
+this loop and ranks that take transformers' issue the same agreements at the same steps.
 
 Across calls: the loop (its static buffers and CUDA graphs) is kept per model and shape (batch,
 cache length, sampling, processors and their values, EOS ids; at most ``KEEP`` per model) and a
@@ -236,17 +235,6 @@ def dependent_launches(device) -> bool:
 _PDL_REFUSED: set = set()  # reasons already logged
 
 
-def ahead_enabled() -> bool:
-    """Stop agreements run ahead (``HF_ZERO3_RUN_AHEAD=1``, opt-in: no reliable gain where
-    measured, see the ablations in benchmarks/RESULTS.md): at each agreement the next decode step
-    is queued first and the agreement reads the flag of the steps before it, so the host's
-    agreement (a gloo round trip) and the next graph's launch overlap a step on the GPU instead of
-    idling it; at the agreed stop the one step queued ahead is dropped (GPU work only: the
-    agreements, the counted forwards and the output are those of the loop without it). Meant for
-    ``sync_every=1`` (lockstep's default: an agreement before every step)."""
-    return _switch.on("HF_ZERO3_RUN_AHEAD", default=False)
-
-
 def prefill_enabled() -> bool:
     """The prompt's forward is compiled where the decode step is (``HF_ZERO3_COMPILE_PREFILL=0``: eager)."""
     return _switch.on("HF_ZERO3_COMPILE_PREFILL")
@@ -416,10 +404,6 @@ class _Loop:
         self.cache_small = None  # per layer, its small tensors (length counters) the graphs read
         self.cache_big = None  # per layer, the addresses of its other tensors (keys, values)
         self.warm = False  # a step ran (compiled, warmed up for capture) in this or an earlier call
-        # run-ahead stop agreements (ahead_enabled): a stop flag copied to pinned host memory
-        # behind the steps before it, so that reading it does not wait for the step queued after it
-        self.flag_host = torch.zeros(1, dtype=torch.bool, pin_memory=True) if self.mask.is_cuda else None
-        self.flag_event = torch.cuda.Event() if self.mask.is_cuda else None
         self.compiled = True
         self.model = self.cache = self.prompt = self.processors = None
 
@@ -539,22 +523,6 @@ class _Loop:
 
     def finished(self) -> bool:
         return not bool(self.unfinished.any())  # the one host sync, at a stop agreement
-
-    def snapshot(self, tokens: int) -> bool | None:
-        """Queue a copy of "a row is unfinished after token ``tokens``" (on CUDA, into pinned host
-        memory behind the steps queued so far; elsewhere it is read now)."""
-        if self.flag_host is None:
-            return bool(self.alive[tokens - 1])
-        self.flag_host.copy_(self.alive[tokens - 1 : tokens], non_blocking=True)
-        self.flag_event.record()
-        return None
-
-    def unfinished_at(self, snapshot: bool | None) -> bool:
-        """:meth:`snapshot`'s flag: waits for the steps before it, not for those queued after."""
-        if snapshot is not None:
-            return snapshot
-        self.flag_event.synchronize()
-        return bool(self.flag_host[0])
 
     def result(self, tokens: int) -> tuple[torch.Tensor, int | None]:
         """(prompt + this rank's tokens, the step its rows were all done at or None)."""
@@ -723,9 +691,8 @@ class _Runner:
     """Runs one call's decode steps. A loop's first step ever runs uncaptured (it compiles the
     forward, and it is the warm-up CUDA-graph capture needs; a real step, its token kept); on CUDA
     the rest replay CUDA graphs of ``graph_steps`` steps and of each shorter run between two stop
-    agreements the calls meet (the first window after the prompt's token; with run-ahead, the
-    step queued before an agreement and the rest of its window: at most ``graph_steps`` graphs,
-    one memory pool), each captured once per loop and replayed by later calls while the
+    agreements the calls meet (the first window after the prompt's token: at most
+    ``graph_steps`` graphs, one memory pool), each captured once per loop and replayed by later calls while the
     parameters, the cache and the model's state are those they were captured with; on CPU, or
     with ``graph_steps=0``, steps run one by one."""
 
@@ -818,22 +785,10 @@ def decode(
         loop.rope_layers = len(loop.rope_bound)
         loop.rotaries = decode_attention.rope_rotaries(model) if loop.rope_bound else []
         every, fixed = call.cfg.sync_every, call.cfg.stop == "fixed"
-        ahead = not fixed and ahead_enabled()
         tokens = 1  # the prefill chose token 1; before forward k + 1 the loop asks to go on (k = tokens)
         while tokens < budget:
             nxt = budget if fixed else min(budget, (tokens // every + 1) * every)
             if not fixed and tokens % every == 0:
-                if ahead:
-                    # the step after the agreement is queued before it, so the GPU computes while
-                    # the ranks agree; where they agree to stop, that step is dropped (its token
-                    # lies past the agreed stop: not counted, not returned)
-                    flag = loop.snapshot(tokens)
-                    runner.run(1)
-                    if not call.agree_unfinished(call.rt.join is None and loop.unfinished_at(flag)):
-                        break
-                    runner.run(nxt - tokens - 1)
-                    tokens = nxt
-                    continue
                 if not call.agree_unfinished(call.rt.join is None and not loop.finished()):
                     break
             runner.run(nxt - tokens)

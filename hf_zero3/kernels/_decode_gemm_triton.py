@@ -2,41 +2,22 @@
 
 ``EVEN`` (a constexpr): every block the launch may take divides the weight's rows and the
 reduction (:func:`.decode_gemm._even`), so the tiles load without masks but the activations' rows.
-``PDL``, ``PREFETCH`` (constexprs every launch passes: inductor's calls of a ``triton_op``
-kernel take no parameter defaults): with ``PDL`` the kernel is launched as a programmatic
-dependent launch (where :func:`.decode_gemm.dependent_unavailable` finds none missing). It may then
-start while the kernel before it still runs: it asks L2 for the first ``PREFETCH`` reduction
-columns of its weight slice (0: none; the weights are never written by the kernel before it),
-waits for that kernel's writes (``gdc_wait``) before reading the activations or writing anything,
-and lets the kernel after it launch at once (all of its programs are running by then; the next
-one waits in turn)."""
+``PDL`` (a constexpr every launch passes: inductor's calls of a ``triton_op`` kernel take no
+parameter defaults): the kernel is launched as a programmatic dependent launch (where
+:func:`.decode_gemm.dependent_unavailable` finds none missing). It may then start while the kernel
+before it still runs: it waits for that kernel's writes (``gdc_wait``) before reading the
+activations or writing anything, and lets the kernel after it launch at once (all of its programs
+are running by then; the next one waits in turn)."""
 
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def l2_prefetch(P, rows, stride, R, k0, COLS: tl.constexpr):
-    """Ask L2 for columns ``[k0, k0 + COLS)`` of rows ``rows`` (clamped below ``R``) of a row-major
-    2-byte matrix, one ``prefetch.global.L2`` per 128-byte line: a hint, no value is read."""
-    lines = tl.arange(0, COLS // 64) * 64
-    ptrs = P + tl.minimum(rows, R - 1)[:, None] * stride + (k0 + lines)[None, :]
-    # one line and no backslash anywhere in a kernel's source: inductor embeds it in a string
-    # literal, where an escape turns into the character (tests/cpu/test_triton_kernels_compile.py)
-    tl.inline_asm_elementwise(
-        "mov.u32 $0, 0; prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-    )
-
-
-@triton.jit
-def dependent_start(W, W2, rows, stride, R, k0, PDL: tl.constexpr, PREFETCH: tl.constexpr, TWO: tl.constexpr):
-    """A programmatic dependent launch's start (nothing without ``PDL``): the weights' first
-    ``PREFETCH`` columns to L2, then wait for the kernel before and release the one after."""
+def dependent_start(PDL: tl.constexpr):
+    """A programmatic dependent launch's start (nothing without ``PDL``): wait for the kernel
+    before, release the one after."""
     if PDL:
-        if PREFETCH > 0:
-            l2_prefetch(W, rows, stride, R, k0, PREFETCH)
-            if TWO:
-                l2_prefetch(W2, rows, stride, R, k0, PREFETCH)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -74,12 +55,11 @@ def linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
     EVEN: tl.constexpr,
 ):
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    dependent_start(W, W, rn, swn, N, 0, PDL, PREFETCH, False)
+    dependent_start(PDL)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(0, K, BLOCK_K):
@@ -105,12 +85,11 @@ def gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
     EVEN: tl.constexpr,
 ):
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    dependent_start(WG, WU, rn, swn, N, 0, PDL, PREFETCH, True)
+    dependent_start(PDL)
     rk = tl.arange(0, BLOCK_K)
     gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -146,7 +125,6 @@ def linear_split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
     EVEN: tl.constexpr,
 ):
     """Split-K ``x @ W.T``: program (n, s) reduces the s-th of ``SPLIT`` equal slices of the
@@ -155,7 +133,7 @@ def linear_split_kernel(
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     k0 = tl.program_id(1) * (K // SPLIT)
-    dependent_start(W, W, rn, swn, N, k0, PDL, PREFETCH, False)
+    dependent_start(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(0, K // SPLIT, BLOCK_K):
         acc += tl.dot(

@@ -16,9 +16,7 @@ plain GEMM does not and is not used; the decode step's MLP uses the gate/up kern
 Programmatic dependent launch (:func:`load_dependent`; the decode loop's ``HF_ZERO3_PDL``, on by
 default on Hopper): at decode shapes each GEMM is short (microseconds) and pays a ramp of its own;
 launched as a dependent of the kernel before it, a GEMM's programs are resident and waiting when
-that kernel finishes, and release the kernel after them at once. They may also ask L2 for the
-first columns of their weight slice before they wait (``HF_ZERO3_PDL_PREFETCH``, off by default:
-rollouts are slower with it where measured, see the ablations in benchmarks/RESULTS.md). A stack
+that kernel finishes, and release the kernel after them at once. A stack
 of the step's GEMMs in one CUDA graph runs faster with dependent launches than without
 (``tests/gpu/test_dependent_launch_gpu.py``).
 
@@ -50,7 +48,6 @@ __all__ = [
     "MAX_ROWS",
     "dependent_unavailable",
     "load_dependent",
-    "prefetch_columns",
 ]
 
 DEFAULT = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
@@ -92,7 +89,7 @@ SPLIT_CONFIGS = [
     ]
 ]
 MAX_ROWS = 64
-_PLAIN = dict(PDL=False, PREFETCH=0)  # a plain launch's kernel arguments (no dependent start)
+_PLAIN = dict(PDL=False)  # a plain launch's kernel arguments (no dependent start)
 _state: dict = {}
 
 
@@ -247,21 +244,6 @@ def load():
     return _state.get("ops")
 
 
-def prefetch_columns() -> int:
-    """Reduction columns of its weight slice a dependent GEMM asks L2 for before it waits
-    (``HF_ZERO3_PDL_PREFETCH``: 0, the default, none; else a power of two from 64): per program a
-    slice's rows times these columns, a few MB per GEMM over all programs. Off by default: rollouts
-    are slower with it where measured (see the ablations in benchmarks/RESULTS.md); kept to measure
-    on other GPUs."""
-    import os
-
-    raw = os.environ.get("HF_ZERO3_PDL_PREFETCH", "").strip()
-    cols = int(raw) if raw else 0
-    if cols and (cols < 64 or cols & (cols - 1)):
-        raise ValueError(f"HF_ZERO3_PDL_PREFETCH={raw}: give 0 or a power of two from 64 (reduction columns)")
-    return cols
-
-
 def dependent_unavailable(device) -> str | None:
     """Why the GEMMs cannot be launched as programmatic dependent launches on ``device`` (None: they
     can): they need an NVIDIA GPU of compute capability 9.0 or newer (Hopper) and a Triton with
@@ -301,12 +283,8 @@ def load_dependent(device):
     return _state["dependent"]
 
 
-def _dependent(k: int) -> dict:
-    """A dependent launch's arguments for a program's reduction slice of ``k`` columns: it
-    prefetches at most the slice (a power of two from 64, else nothing)."""
-    cols = min(prefetch_columns(), k)
-    cols = 1 << (cols.bit_length() - 1) if cols >= 64 else 0
-    return dict(PDL=True, PREFETCH=cols, launch_pdl=True)
+#: A dependent launch's kernel and launch arguments.
+_DEPENDENT = dict(PDL=True, launch_pdl=True)
 
 
 def _dependent_ops():
@@ -314,7 +292,7 @@ def _dependent_ops():
 
     @torch.library.custom_op("hf_zero3::decode_gate_up_silu_dependent", mutates_args=())
     def gate_up_op(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return _call(tuned_gate_up, x, (gate, up), {}, _dependent(x.shape[1]))
+        return _call(tuned_gate_up, x, (gate, up), {}, _DEPENDENT)
 
     @gate_up_op.register_fake
     def _(x, gate, up):
@@ -322,7 +300,7 @@ def _dependent_ops():
 
     @torch.library.custom_op("hf_zero3::decode_linear_split_dependent", mutates_args=())
     def split_op(x: torch.Tensor, weight: torch.Tensor, split: int) -> torch.Tensor:
-        return _call_split(tuned_split, x, weight, split, {}, _dependent(x.shape[1] // split))
+        return _call_split(tuned_split, x, weight, split, {}, _DEPENDENT)
 
     @split_op.register_fake
     def _(x, weight, split):

@@ -413,8 +413,8 @@ def test_llama_decode_steps_with_the_rope_kernel_match_its_own_attention(monkeyp
 
 def test_the_decode_switches_read_on_and_opt_in(monkeypatch):
     """On-by-default switches (HF_ZERO3_FUSE_QKV, HF_ZERO3_FUSE_ROPE...) are off only for
-    0/false/no/off; the opt-in HF_ZERO3_RUN_AHEAD is on only for 1/true/yes/on; unset or empty is
-    the default."""
+    0/false/no/off; an opt-in one would be on only for 1/true/yes/on; unset or empty is the
+    default."""
     from hf_zero3.generation import _switch
 
     name = "HF_ZERO3_TEST_SWITCH"
@@ -432,18 +432,16 @@ def test_the_decode_switches_read_on_and_opt_in(monkeypatch):
     ):
         monkeypatch.setenv(name, value)
         assert (_switch.on(name), _switch.on(name, default=False)) == (on, opt_in), value
-    # the library's own defaults: the fused rope kernel and dependent launches on, run-ahead
-    # agreements opt-in
+    # the library's own defaults: the fused rope kernel, dependent launches and q/k/v partials on
     from hf_zero3.generation import decode_attention, graph_decode
 
-    for switch in ("HF_ZERO3_FUSE_ROPE", "HF_ZERO3_RUN_AHEAD", "HF_ZERO3_PDL", "HF_ZERO3_TRITON_QKV"):
+    for switch in ("HF_ZERO3_FUSE_ROPE", "HF_ZERO3_PDL", "HF_ZERO3_TRITON_QKV"):
         monkeypatch.delenv(switch, raising=False)
-    assert decode_attention.rope_enabled() and not graph_decode.ahead_enabled() and graph_decode.pdl_enabled()
+    assert decode_attention.rope_enabled() and graph_decode.pdl_enabled()
     assert decode_attention.rope_qkv_enabled()
     assert decode_attention.rope_qkv("cpu", False) is None  # q/k/v partials only with dependent launches
     monkeypatch.setenv("HF_ZERO3_FUSE_ROPE", "off")
-    monkeypatch.setenv("HF_ZERO3_RUN_AHEAD", "on")
     monkeypatch.setenv("HF_ZERO3_PDL", "0")
     monkeypatch.setenv("HF_ZERO3_TRITON_QKV", "0")
-    assert not decode_attention.rope_enabled() and graph_decode.ahead_enabled() and not graph_decode.pdl_enabled()
+    assert not decode_attention.rope_enabled() and not graph_decode.pdl_enabled()
     assert not decode_attention.rope_qkv_enabled() and decode_attention.rope_qkv("cuda", True) is None

@@ -153,24 +153,3 @@ def test_dependent_launches_fall_back_quietly_by_default_and_say_why_when_asked(
     qkv_off, kept = gd._loop_for(model, ids, [], cfg, None, None, cache)
     assert not kept and qkv_off is not off
     release_decode_graphs(model)
-
-
-def test_dependent_launch_prefetch_columns(monkeypatch):
-    """HF_ZERO3_PDL_PREFETCH: how many reduction columns of its weight slice a dependent GEMM asks
-    L2 for (a power of two from 64, or 0), never more than a program's slice."""
-    from hf_zero3.kernels import decode_gemm
-
-    monkeypatch.delenv("HF_ZERO3_PDL_PREFETCH", raising=False)
-    assert decode_gemm.prefetch_columns() == 0  # off by default (it measured slower)
-    assert decode_gemm._dependent(2048) == dict(PDL=True, PREFETCH=0, launch_pdl=True)
-    monkeypatch.setenv("HF_ZERO3_PDL_PREFETCH", "256")
-    assert decode_gemm._dependent(2048) == dict(PDL=True, PREFETCH=256, launch_pdl=True)
-    assert decode_gemm._dependent(192)["PREFETCH"] == 128 and decode_gemm._dependent(32)["PREFETCH"] == 0
-    monkeypatch.setenv("HF_ZERO3_PDL_PREFETCH", "1024")
-    assert decode_gemm._dependent(512)["PREFETCH"] == 512 and decode_gemm._dependent(8192)["PREFETCH"] == 1024
-    monkeypatch.setenv("HF_ZERO3_PDL_PREFETCH", "0")
-    assert decode_gemm._dependent(2048)["PREFETCH"] == 0
-    for bad in ("100", "32", "-64"):
-        monkeypatch.setenv("HF_ZERO3_PDL_PREFETCH", bad)
-        with pytest.raises(ValueError, match="HF_ZERO3_PDL_PREFETCH"):
-            decode_gemm.prefetch_columns()

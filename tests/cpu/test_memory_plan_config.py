@@ -291,8 +291,6 @@ _SAMPLE_VALUES = {
     "HF_ZERO3_BUILD_EXT": "1",
     "HF_ZERO3_PG_TIMEOUT": "20",
     "HF_ZERO3_TRITON_ATTENTION": "always",
-    "HF_ZERO3_PDL_PREFETCH": "0",
-    "HF_ZERO3_RUN_AHEAD": "1",
 }
 
 

@@ -80,23 +80,12 @@ def compiled_decode(new_tokens: int = 48):
             engine, input_ids=ids, gather="all", decode="compiled", do_sample=False, sync_every=4, graph_steps=8, **kw
         )
         out["again"] = dict(same=bool(torch.equal(again, seq)), reused=module.hf_zero3_last_generate.graphs_reused)
-        # stop agreements run ahead, one before every step (the pinned flag copy, the step queued
-        # ahead of the agreement and dropped at the stop): the same tokens
-        os.environ["HF_ZERO3_RUN_AHEAD"] = "1"
-        try:
-            ahead = hf_zero3.lockstep_generate(
-                engine,
-                input_ids=ids,
-                gather="all",
-                decode="compiled",
-                do_sample=False,
-                sync_every=1,
-                graph_steps=8,
-                **kw,
-            )
-        finally:
-            del os.environ["HF_ZERO3_RUN_AHEAD"]
-        out["ahead"] = dict(same=bool(torch.equal(ahead, seq)), loop=module.hf_zero3_last_generate.loop)
+        # a stop agreement before every step (lockstep's default sync_every=1): graphs of one step
+        # between agreements, the same tokens
+        every_step = hf_zero3.lockstep_generate(
+            engine, input_ids=ids, gather="all", decode="compiled", do_sample=False, sync_every=1, graph_steps=8, **kw
+        )
+        out["sync1"] = dict(same=bool(torch.equal(every_step, seq)), loop=module.hf_zero3_last_generate.loop)
         out["graphs_teacher_forced"] = _teacher_forced(engine, seq, ids.shape[1], kw["eos_token_id"])
         # another prompt length in the same 64-token bucket: no recompile; the graphs replay only
         # where the parameters and every cache tensor are those they were captured with

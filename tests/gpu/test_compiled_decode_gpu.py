@@ -42,7 +42,7 @@ def test_compiled_decode_matches_eager_logits_and_does_not_recompile():
         assert gtf["tokens"] > 0 and gtf["max_margin"] <= 0.05 * max(1.0, gtf["max_abs_logit"]), gtf
         assert r["second"]["loop"] == "hf_zero3"
         assert r["again"]["same"] and r["again"]["reused"], r["again"]
-        assert r["ahead"]["same"] and r["ahead"]["loop"] == "hf_zero3", r["ahead"]  # run-ahead agreements
+        assert r["sync1"]["same"] and r["sync1"]["loop"] == "hf_zero3", r["sync1"]  # an agreement every step
         stf = r["second"]["teacher_forced"]
         assert stf["tokens"] > 0 and stf["max_margin"] <= 0.05 * max(1.0, stf["max_abs_logit"]), r["second"]
     assert len({r["first"]["forwards"] for r in res}) == 1
