@@ -21,6 +21,7 @@ _LAZY = {
     "lockstep_generate": "hf_zero3.generation",
     "Zero3GenerationMixin": "hf_zero3.generation",
     "LockstepConfig": "hf_zero3.generation",
+    "DecodeOptions": "hf_zero3.options",
     "release_decode_graphs": "hf_zero3.generation",
     "gathered_forwards": "hf_zero3.gathering",
     "Zero3DeepSpeedPlugin": "hf_zero3.accelerate",

@@ -1,26 +1,142 @@
-"""Every ``HF_ZERO3_*`` environment variable hf_zero3 reads, named in one registry.
+"""Every ``HF_ZERO3_*`` environment variable hf_zero3 reads, named in one registry, and the decode
+path's options.
 
 The memory plan's variables, one per field of :class:`~hf_zero3.compile.MemoryPlanConfig`
 (``HF_ZERO3_<FIELD>``), come from its dataclass; :data:`ENVIRONMENT` holds all the others. The
 memory plan's typo check accepts exactly these two sets, so a documented variable set for one
 part of the package never makes another part refuse to start. A test holds this registry, the
 names the code reads and the documentation's table to the same list.
+
+:class:`DecodeOptions` says which parts of the fast decode path a lockstep call uses. Each field
+left ``None`` comes from its environment variable, else from its default (the measured best), the
+way accelerate's plugin dataclasses read ``ACCELERATE_*``. Every switch takes one grammar
+(:func:`parse_switch`); a value outside it raises instead of being read as on or off.
 """
 
 from __future__ import annotations
 
-__all__ = ["DECODE_SWITCHES", "ENVIRONMENT"]
+import os
+from dataclasses import dataclass, field, fields, replace
+from typing import Mapping
 
-#: The fast decode path's switches (read when a lockstep call builds or looks up its loop).
+__all__ = ["DecodeOptions", "DECODE_SWITCHES", "ENVIRONMENT", "parse_switch"]
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def parse_switch(name: str, raw: str) -> bool:
+    """``raw`` (the value of variable ``name``) as a switch: 1/true/yes/on or 0/false/no/off, any
+    case; anything else raises ``ValueError`` naming the variable."""
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name}={raw!r} is not a switch: set it to 1/true/yes/on or 0/false/no/off, or unset it")
+
+
+def _parse_choice(name: str, raw: str, choices: tuple[str, ...]) -> str:
+    """A three-way setting: one of ``choices``, or a switch (on: ``"auto"``, off: ``"off"``)."""
+    value = raw.strip().lower()
+    if value in choices:
+        return value
+    try:
+        return "auto" if parse_switch(name, raw) else "off"
+    except ValueError:
+        raise ValueError(
+            f"{name}={raw!r}: set it to one of {', '.join(choices)}, "
+            "or a switch (1/true/yes/on: auto, 0/false/no/off: off)"
+        ) from None
+
+
+def _option(env: str, default, doc: str, choices: tuple[str, ...] = ()):
+    return field(default=None, metadata={"env": env, "default": default, "doc": doc, "choices": choices})
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """Which parts of the fast decode path (``decode="compiled"``'s static loop) a lockstep call
+    uses. Every part changes speed only: the tokens, the forwards and the agreements are the same
+    with any of them off.
+
+    Attributes:
+        fuse_qkv: run a decode step's ``q_proj``/``k_proj``/``v_proj`` as one GEMM over a per-call
+            weight copy (``HF_ZERO3_FUSE_QKV``; default on).
+        triton_mlp: run SiLU MLPs through the Triton gate/up GEMM on CUDA (``HF_ZERO3_TRITON_MLP``;
+            default on).
+        split_k: ``down_proj`` and ``o_proj`` through the split-K Triton GEMM, with ``triton_mlp``
+            (``HF_ZERO3_SPLIT_K``; default on).
+        triton_attention: the Triton GQA decode-attention kernel: ``"auto"`` where batch x
+            key/value heads reaches the GPU's SM count, ``"always"`` wherever it runs, ``"off"``
+            never (``HF_ZERO3_TRITON_ATTENTION``; default ``"auto"``).
+        fuse_rope: where that kernel attends, Llama-style attention modules rotate, write the
+            cache and attend in the one kernel (``HF_ZERO3_FUSE_ROPE``; default on).
+        triton_qkv: with dependent launches, the fused q/k/v projection of a rope-kernel module
+            runs the split-K Triton GEMM and the kernel sums its partials (``HF_ZERO3_TRITON_QKV``;
+            default on).
+        dependent_launches: decode-step kernels as programmatic dependent launches: ``"auto"``
+            where the GPU and Triton can (compute capability 9.0+), ``"on"`` the same with a
+            warning where they cannot, ``"off"`` never (``HF_ZERO3_PDL``: a switch, on meaning
+            ``"on"``; default ``"auto"``).
+        compile_prefill: compile the prompt's forward too (``HF_ZERO3_COMPILE_PREFILL``; default
+            on; off: eager, without DeepSpeed's per-linear autograd Function).
+    """
+
+    fuse_qkv: bool | None = _option("HF_ZERO3_FUSE_QKV", True, "q/k/v projections of a decode step as one GEMM")
+    triton_mlp: bool | None = _option("HF_ZERO3_TRITON_MLP", True, "SiLU MLPs through the Triton gate/up GEMM")
+    split_k: bool | None = _option("HF_ZERO3_SPLIT_K", True, "down_proj and o_proj through the split-K Triton GEMM")
+    triton_attention: str | None = _option(
+        "HF_ZERO3_TRITON_ATTENTION", "auto", "the Triton GQA decode-attention kernel", ("auto", "always", "off")
+    )
+    fuse_rope: bool | None = _option(
+        "HF_ZERO3_FUSE_ROPE", True, "rotary embedding and cache write inside the attention kernel"
+    )
+    triton_qkv: bool | None = _option(
+        "HF_ZERO3_TRITON_QKV", True, "fused q/k/v as split-K partials summed in the rope kernel"
+    )
+    dependent_launches: str | None = _option(
+        "HF_ZERO3_PDL", "auto", "decode kernels as programmatic dependent launches", ("auto", "on", "off")
+    )
+    compile_prefill: bool | None = _option(
+        "HF_ZERO3_COMPILE_PREFILL", True, "the static loop compiles the prompt's forward"
+    )
+
+    def __post_init__(self):
+        for f in fields(self):
+            value, choices = getattr(self, f.name), f.metadata["choices"]
+            if value is None:
+                continue
+            if choices and value not in choices:
+                raise ValueError(f"DecodeOptions.{f.name} must be one of {choices} or None, not {value!r}")
+            if not choices and not isinstance(value, bool):
+                raise ValueError(f"DecodeOptions.{f.name} must be True, False or None, not {value!r}")
+
+    def resolved(self, env: Mapping[str, str] | None = None) -> "DecodeOptions":
+        """Every field set: this object's value, else its environment variable's (``env``:
+        ``os.environ``), else the default. A malformed variable raises ``ValueError`` (a lockstep
+        call reads it inside the call, so every rank raises)."""
+        env = os.environ if env is None else env
+        values = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                raw = env.get(f.metadata["env"], "")
+                if not raw.strip():
+                    value = f.metadata["default"]
+                elif f.name == "dependent_launches" and raw.strip().lower() != "auto":
+                    value = "on" if parse_switch(f.metadata["env"], raw) else "off"
+                elif f.metadata["choices"]:
+                    value = _parse_choice(f.metadata["env"], raw, f.metadata["choices"])
+                else:
+                    value = parse_switch(f.metadata["env"], raw)
+            values[f.name] = value
+        return replace(self, **values)
+
+
+#: The fast decode path's switches: one per :class:`DecodeOptions` field.
 DECODE_SWITCHES: dict[str, str] = {
-    "HF_ZERO3_FUSE_QKV": "q/k/v projections of a decode step as one GEMM (on)",
-    "HF_ZERO3_TRITON_MLP": "SiLU MLPs through the Triton gate/up GEMM (on)",
-    "HF_ZERO3_SPLIT_K": "down_proj and o_proj through the split-K Triton GEMM (on)",
-    "HF_ZERO3_TRITON_ATTENTION": "the Triton GQA decode-attention kernel: auto, always or 0 (auto)",
-    "HF_ZERO3_FUSE_ROPE": "rotary embedding and cache write inside the attention kernel (on)",
-    "HF_ZERO3_TRITON_QKV": "fused q/k/v as split-K partials summed in the rope kernel (on)",
-    "HF_ZERO3_PDL": "decode kernels as programmatic dependent launches where the GPU can (on)",
-    "HF_ZERO3_COMPILE_PREFILL": "the static loop compiles the prompt's forward (on)",
+    f.metadata["env"]: f"{f.metadata['doc']} (DecodeOptions.{f.name})" for f in fields(DecodeOptions)
 }
 
 #: Every variable besides the memory plan's per-field ones.

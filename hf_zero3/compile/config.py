@@ -20,7 +20,7 @@ import re
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Callable, Mapping
 
-from hf_zero3.options import ENVIRONMENT
+from hf_zero3.options import ENVIRONMENT, parse_switch
 
 __all__ = ["MemoryPlanConfig", "ConfigError", "parse_bytes", "SECTION", "OTHER_ENV"]
 
@@ -77,14 +77,13 @@ def parse_bytes(value: Any, name: str = "max_memory", minimum: int = MIN_MEMORY)
 
 
 def _bool(value: Any, name: str) -> bool:
+    """The package's one switch grammar (:func:`hf_zero3.options.parse_switch`), as a ConfigError."""
     if isinstance(value, bool):
         return value
-    s = str(value).strip().lower()
-    if s in ("1", "true", "yes", "on"):
-        return True
-    if s in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{name}={value!r} is not a boolean; use true or false")
+    try:
+        return parse_switch(name, str(value))
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} is not a boolean; use true or false") from None
 
 
 def _choice(choices: tuple) -> Callable[[Any, str], str]:

@@ -14,7 +14,7 @@ their attention from transformers' attention interface; the prompt's forward and
 shape keep the model's own attention (SDPA for any other shape). On CUDA with Triton the same
 attention runs as one kernel per layer (:mod:`hf_zero3.kernels.gqa_decode`: ``KERNEL``, float32
 scores as flash attention keeps them, the unfilled tail of the cache not read); elsewhere, or with
-``HF_ZERO3_TRITON_ATTENTION=0``, or where the kernel has fewer programs than the GPU has SMs
+``DecodeOptions(triton_attention="off")``, or where the kernel has fewer programs than the GPU has SMs
 (batch x key/value heads: it is slower there), as the PyTorch form above (``NAME``).
 :func:`choice` picks one when a decode loop is built. Where it picks the kernel, Llama attention
 modules also move their rotary embedding and cache write into it (:func:`rope_plan`, below).
@@ -30,7 +30,7 @@ import torch
 from .._upstream import torch as torch_up
 from .._upstream import transformers as hf_up
 from ..kernels import decode_gemm, gqa_decode
-from . import _switch, fused_projections
+from . import fused_projections
 
 __all__ = [
     "NAME",
@@ -40,12 +40,10 @@ __all__ = [
     "applies",
     "choice",
     "use",
-    "rope_enabled",
     "rope_plan",
     "rope_bind",
     "rope_rotaries",
     "rope_use",
-    "rope_qkv_enabled",
     "rope_qkv",
     "advance",
 ]
@@ -115,17 +113,19 @@ def applies(model) -> bool:
     )
 
 
-def choice(model, device, rows: int) -> str | None:
-    """The decode attention a loop of ``rows`` on ``device`` uses: ``KERNEL`` (CUDA, Triton, where
-    it is the faster form: :func:`gqa_decode.pays`), ``NAME``, or None (the model's own:
-    :func:`applies` is False)."""
+def choice(model, device, rows: int, kernel: str = "auto") -> str | None:
+    """The decode attention a loop of ``rows`` on ``device`` uses: ``KERNEL`` (CUDA, Triton, and
+    ``kernel`` is ``"always"``, or ``"auto"`` where it is the faster form: :func:`gqa_decode.pays`),
+    ``NAME``, or None (the model's own: :func:`applies` is False). ``kernel``:
+    :attr:`~hf_zero3.options.DecodeOptions.triton_attention`."""
     if not applies(model):
         return None
     if (
-        torch.device(device).type == "cuda"
+        kernel != "off"
+        and torch.device(device).type == "cuda"
         and gqa_decode.is_available()
         and gqa_decode.load() is not None
-        and gqa_decode.pays(rows, model.config.num_key_value_heads)
+        and (kernel == "always" or gqa_decode.pays(rows, model.config.num_key_value_heads))
     ):
         return KERNEL  # built here, outside the compiled step's trace
     return NAME
@@ -161,8 +161,8 @@ def use(model, name: str | None = NAME):
 # (:func:`gqa_decode.rope_decode_attention`) that rotates the query and the new key, writes the key
 # and the value at the cache's fill count and attends; the loop advances every such layer's fill
 # count in one op after the step's forward (:func:`advance`), as ``StaticLayer.update`` would have
-# one by one. On by default; ``HF_ZERO3_FUSE_ROPE=0`` turns it off (read when a decode loop is
-# built; :func:`rope_enabled` says why it pays).
+# one by one. On by default; ``DecodeOptions(fuse_rope=False)`` turns it off (decided when a
+# decode loop is built; :func:`rope_plan` says why it pays).
 
 # What the one kernel reads besides the layer's own tensors, the same for every layer of a step.
 # Under torch.compile inductor inlines a cheap pointwise producer into each consumer, and a
@@ -229,29 +229,13 @@ def _rope_module(m) -> bool:
     )
 
 
-def rope_enabled() -> bool:
-    """On unless ``HF_ZERO3_FUSE_ROPE=0``. With it a decode step runs four kernels fewer per layer
-    (the rotary embedding, the cache writes and the fill-count add move into the attention
-    kernel), so a rollout spends less GPU time and fewer launch gaps (see the ablations in
-    benchmarks/RESULTS.md). It pays only because the kernel's inputs are read in place: the loop's
-    padding mask, one cos/sin buffer a step and the fused q/k/v projection's parts; had inductor
-    built the mask, cos and sin and the projection's copies in front of it (six kernels a layer),
-    the saving would be lost."""
-    return _switch.on("HF_ZERO3_FUSE_ROPE")
-
-
-def rope_qkv_enabled() -> bool:
-    """``HF_ZERO3_TRITON_QKV`` (on unless set to 0): see :func:`rope_qkv`."""
-    return _switch.on("HF_ZERO3_TRITON_QKV")
-
-
 def rope_qkv(device, dependent: bool):
     """The split-K op a decode step's fused q/k/v projection runs through where it feeds the rope
-    kernel (which sums the float32 partials itself), or None: only with dependent launches (the
-    loop's ``HF_ZERO3_PDL``), and ``HF_ZERO3_TRITON_QKV=0`` turns it off. cuBLAS, which computes
+    kernel (which sums the float32 partials itself), or None: only with dependent launches
+    (:attr:`~hf_zero3.options.DecodeOptions.triton_qkv` decides whether the loop asks). cuBLAS, which computes
     the projection otherwise, launches no kernel as a programmatic dependent launch, so the two
     boundaries norm -> q/k/v -> attention were the two per layer a kernel could not start early."""
-    if not dependent or not rope_qkv_enabled():
+    if not dependent:
         return None
     ops = decode_gemm.load_dependent(device)
     return ops[1] if ops is not None else None
@@ -259,8 +243,14 @@ def rope_qkv(device, dependent: bool):
 
 def rope_plan(model, attention: str | None) -> tuple[str, ...]:
     """Names of ``model``'s attention modules whose decode steps rotate, write the cache and attend
-    in one kernel: where the loop attends with the kernel (``attention`` is :data:`KERNEL`)."""
-    if attention != KERNEL or not rope_enabled():
+    in one kernel: where the loop attends with the kernel (``attention`` is :data:`KERNEL`). A
+    decode step then runs four kernels fewer per layer (the rotary embedding, the cache writes and
+    the fill-count add move into the attention kernel; see the ablations in
+    benchmarks/RESULTS.md). It pays only because the kernel's inputs are read in place: the loop's
+    padding mask, one cos/sin buffer a step and the fused q/k/v projection's parts; had inductor
+    built the mask, cos and sin and the projection's copies in front of it (six kernels a layer),
+    the saving would be lost."""
+    if attention != KERNEL:
         return ()
     return tuple(name for name, m in model.named_modules() if _rope_module(m))
 

@@ -17,8 +17,8 @@ hf_zero3's static loop uses it for its decode steps only (at most 64 rows), on C
 modules of the classes below whose three projections are plain bias-free ``nn.Linear`` layers
 with a SiLU activation, without hooks or patched forwards (a LoRA layer, a quantized linear keep
 the model's own MLP), and for the plain bias-free ``o_proj`` layers of attention modules. It reads
-the gathered weights in place: no copy. ``HF_ZERO3_TRITON_MLP=0`` turns all of it off,
-``HF_ZERO3_SPLIT_K=0`` the split-K GEMMs only (down back to cuBLAS); both read when a decode loop
+the gathered weights in place: no copy. ``DecodeOptions(triton_mlp=False)`` turns all of it off,
+``split_k=False`` the split-K GEMMs only (down back to cuBLAS); both decided when a decode loop
 is built.
 """
 
@@ -33,22 +33,12 @@ from torch import nn
 
 from .._upstream import torch as torch_up
 from ..kernels import decode_gemm
-from . import _switch
 
-__all__ = ["CLASSES", "enabled", "split_enabled", "plan", "bind", "use", "applies", "applies_split"]
+__all__ = ["CLASSES", "plan", "bind", "use", "applies", "applies_split"]
 
 # MLP classes whose forward is down_proj(act_fn(gate_proj(x)) * up_proj(x))
 CLASSES = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
 _FORWARDS: "weakref.WeakKeyDictionary[nn.Module, object]" = weakref.WeakKeyDictionary()
-
-
-def enabled() -> bool:
-    return _switch.on("HF_ZERO3_TRITON_MLP")
-
-
-def split_enabled() -> bool:
-    """Down and ``o_proj`` through the split-K kernel (``HF_ZERO3_SPLIT_K=0``: cuBLAS)."""
-    return enabled() and _switch.on("HF_ZERO3_SPLIT_K")
 
 
 def _plain_linear(m) -> bool:
@@ -92,13 +82,12 @@ def applies_split(name: str, m: nn.Module) -> bool:
     )
 
 
-def plan(model: nn.Module, device) -> tuple[str, ...]:
+def plan(model: nn.Module, device, split: bool = True) -> tuple[str, ...]:
     """Names of ``model``'s modules the decode steps run through the kernels: the MLPs, and the
-    ``o_proj`` layers with split-K on (none off CUDA, without Triton, or with
-    ``HF_ZERO3_TRITON_MLP=0``); builds the kernels, outside any trace."""
-    if not enabled() or torch.device(device).type != "cuda" or decode_gemm.load() is None:
+    ``o_proj`` layers with ``split`` (down and ``o_proj`` split-K; none off CUDA or without
+    Triton); builds the kernels, outside any trace."""
+    if torch.device(device).type != "cuda" or decode_gemm.load() is None:
         return ()
-    split = split_enabled()
     return tuple(name for name, m in model.named_modules() if applies(m) or (split and applies_split(name, m)))
 
 

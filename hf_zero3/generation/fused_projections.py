@@ -16,7 +16,7 @@ layer, a quantized linear, an accelerate hook keep their own); a projection call
 input than its siblings' computes its own. The buffer lives for the call (it is as large as the
 three weights: about 8 % of a Llama model's weights) and is freed at its end; a later call's
 graphs replay only when its buffer lands at the same address (``graph_decode`` checks).
-``HF_ZERO3_FUSE_QKV=0`` turns it off from the next call on (the decode steps then run the model's
+``DecodeOptions(fuse_qkv=False)`` turns it off from the next call on (the decode steps then run the model's
 own projections; the graphs are captured again).
 """
 
@@ -32,7 +32,6 @@ from torch import nn
 from .._upstream import torch as torch_up
 from ..device_memory import read_cuda_memory
 from ..kernels.decode_gemm import MAX_ROWS
-from . import _switch
 
 __all__ = ["NAMES", "plan", "partials", "Fused"]
 
@@ -89,14 +88,8 @@ def _fusable(parent: nn.Module) -> bool:
     )
 
 
-def _enabled() -> bool:
-    return _switch.on("HF_ZERO3_FUSE_QKV")
-
-
 def plan(model: nn.Module) -> tuple[str, ...]:
     """Names of ``model``'s attention modules whose projections can be fused (while gathered)."""
-    if not _enabled():
-        return ()
     return tuple(name for name, m in model.named_modules() if _fusable(m))
 
 
@@ -146,8 +139,6 @@ class Fused:
         """Copy the current weights into one buffer; the number of attention modules fused (0 when
         it is off, the model no longer matches the plan, or the device lacks the memory)."""
         self.free()
-        if not _enabled():
-            return 0
         try:
             parents = [model.get_submodule(n) for n in self.names]
         except AttributeError:  # the model changed shape since the plan

@@ -36,7 +36,7 @@ DeepSpeed's forward prologue/epilogue hooks and gradient checkpointing's input-r
 off (nothing for them to do in a gathered region under ``no_grad``). The prompt's forward is
 compiled too (its own function, the prompt length dynamic: one graph per batch size for every
 prompt length; eager, without DeepSpeed's per-linear autograd Function, where it does not compile
-or with ``HF_ZERO3_COMPILE_PREFILL=0``) and queued before the loop is looked up, so that host work
+or with ``DecodeOptions(compile_prefill=False)``) and queued before the loop is looked up, so that host work
 overlaps it. Greedy steps without processors end in one compiled tail (the argmax of the model's
 logits in two stages, the same token as their float32 copy's; EOS masking and the token
 bookkeeping).
@@ -64,7 +64,8 @@ from .._upstream import deepspeed as ds_up
 from .._upstream import torch as torch_up
 from .._upstream import transformers as hf_up
 from ..kernels import decode_gemm
-from . import _switch, decode_attention, decode_mlp, fused_projections
+from ..options import DecodeOptions
+from . import decode_attention, decode_mlp, fused_projections
 
 __all__ = ["GRAPH_SAFE_PROCESSORS", "GRAPH_SAFE_CRITERIA", "unsupported", "decode", "failure", "release"]
 
@@ -204,40 +205,31 @@ def _compiled_call(cls, dependent: bool = False):
     return fn
 
 
-def pdl_enabled() -> bool:
-    """``HF_ZERO3_PDL``: the decode steps' kernels as programmatic dependent launches where the GPU
-    can (on unless set to 0; :func:`dependent_launches`)."""
-    return _switch.on("HF_ZERO3_PDL")
-
-
-def dependent_launches(device) -> bool:
-    """The decode steps' kernels are programmatic dependent launches (``HF_ZERO3_PDL``, on by
-    default, ``=0`` off): each may start while the kernel before it finishes and waits for it only
-    where it reads its output (the Triton GEMMs and the rope attention:
-    :mod:`hf_zero3.kernels.decode_gemm`; inductor's kernels: its ``triton.enable_pdl``). A decode
-    step is over a hundred short kernels, each with a ramp of its own: dependent launches let the
-    next kernel start its prologue before this one ends, which pays most at large batches (see the
-    ablations in benchmarks/RESULTS.md). Where the GPU or Triton cannot
-    (:func:`~hf_zero3.kernels.decode_gemm.dependent_unavailable`: before Hopper, on CPU) the steps
-    launch as usual; asked for explicitly (``HF_ZERO3_PDL=1``), one log line says why. Read when a
-    decode loop is built."""
-    if not pdl_enabled():
+def dependent_launches(device, mode: str = "auto") -> bool:
+    """The decode steps' kernels are programmatic dependent launches (``mode``:
+    :attr:`~hf_zero3.options.DecodeOptions.dependent_launches`, ``"auto"`` by default): each may
+    start while the kernel before it finishes and waits for it only where it reads its output (the
+    Triton GEMMs and the rope attention: :mod:`hf_zero3.kernels.decode_gemm`; inductor's kernels:
+    its ``triton.enable_pdl``). A decode step is over a hundred short kernels, each with a ramp of
+    its own: dependent launches let the next kernel start its prologue before this one ends, which
+    pays most at large batches (see the ablations in benchmarks/RESULTS.md). Where the GPU or Triton
+    cannot (:func:`~hf_zero3.kernels.decode_gemm.dependent_unavailable`: before Hopper, on CPU) the
+    steps launch as usual; asked for explicitly (``mode="on"``), one log line says why. Decided when
+    a decode loop is built."""
+    if mode == "off":
         return False
     why = decode_gemm.dependent_unavailable(device)
     if why is not None:
-        if _switch.on("HF_ZERO3_PDL", default=False) and why not in _PDL_REFUSED:
+        if mode == "on" and why not in _PDL_REFUSED:
             _PDL_REFUSED.add(why)
-            log.warning("hf_zero3 lockstep: HF_ZERO3_PDL=1 but the decode steps launch as usual: %s", why)
+            log.warning(
+                "hf_zero3 lockstep: dependent launches asked for, but the decode steps launch as usual: %s", why
+            )
         return False
     return True
 
 
 _PDL_REFUSED: set = set()  # reasons already logged
-
-
-def prefill_enabled() -> bool:
-    """The prompt's forward is compiled where the decode step is (``HF_ZERO3_COMPILE_PREFILL=0``: eager)."""
-    return _switch.on("HF_ZERO3_COMPILE_PREFILL")
 
 
 def _prompt_logits(model, **kwargs):
@@ -310,12 +302,13 @@ def _prompt_inputs(input_ids, model_kwargs) -> tuple[torch.Tensor, torch.Tensor]
     return mask, positions.expand(input_ids.shape[0], -1)
 
 
-def _prefill(model, input_ids, mask, positions, cache) -> tuple[torch.Tensor, str]:
+def _prefill(model, input_ids, mask, positions, cache, compile: bool = True) -> tuple[torch.Tensor, str]:
     """The prompt's forward into the static cache: (its last position's logits, "compiled" or
     "eager"). Compiled (``_prompt_logits``) with the prompt length dynamic, so prompts of any
     length share one graph per batch size, and with the decode steps' hook suspensions; eager as
     transformers runs it, without DeepSpeed's per-linear autograd Function under ``no_grad``, where
-    it does not compile (the reason kept per model, one log line) or ``HF_ZERO3_COMPILE_PREFILL=0``.
+    it does not compile (the reason kept per model, one log line) or without ``compile``
+    (:attr:`~hf_zero3.options.DecodeOptions.compile_prefill`).
     Compilation fails before any kernel runs, so the eager forward after a failure starts clean."""
     kwargs = dict(
         input_ids=input_ids,
@@ -325,7 +318,7 @@ def _prefill(model, input_ids, mask, positions, cache) -> tuple[torch.Tensor, st
         use_cache=True,
         **_forward_kwargs(model),
     )
-    if prefill_enabled() and model not in _PREFILL_FAILED:
+    if compile and model not in _PREFILL_FAILED:
         dims = {}
         for name in ("input_ids", "attention_mask", "position_ids"):
             # contiguous (a sliced prompt's row stride is not its length: Dynamo would guard on
@@ -373,6 +366,7 @@ class _Loop:
         split: bool = False,
         rope: tuple[str, ...] = (),
         dependent: bool = False,
+        qkv_partials: bool = True,
     ):
         self.mask = torch.ones(batch, length, dtype=torch.long, device=device)
         self.pos = torch.zeros(batch, dtype=torch.long, device=device)
@@ -398,7 +392,7 @@ class _Loop:
         self.rope_layers = 0
         self.dependent = dependent  # the steps' kernels are programmatic dependent launches
         # the fused q/k/v GEMM's split-K op feeding the rope kernel (None: the projections' own GEMM)
-        self.qkv = decode_attention.rope_qkv(device, dependent) if rope and fused else None
+        self.qkv = decode_attention.rope_qkv(device, dependent) if rope and fused and qkv_partials else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # steps per graph -> graph
         self.cache_ptrs = None  # the cache tensors the graphs were captured with
         self.cache_small = None  # per layer, its small tensors (length counters) the graphs read
@@ -596,7 +590,7 @@ def _module_state(model) -> tuple:
 
 
 def _loop_key(
-    model, input_ids, processors, generation_config, eos_key, cache, attention: str | None
+    model, input_ids, processors, generation_config, eos_key, cache, attention: str | None, options: DecodeOptions
 ) -> tuple[tuple, tuple] | None:
     """(what a loop's buffers and graphs are shaped by, the addresses and state they were captured
     with); None when a processor holds something other than plain values (its graph would bake
@@ -616,11 +610,7 @@ def _loop_key(
         tuple(procs),
         eos_key,
         attention,
-        decode_mlp.enabled(),
-        decode_mlp.split_enabled(),
-        decode_attention.rope_enabled(),
-        pdl_enabled(),
-        decode_attention.rope_qkv_enabled(),
+        options,
     )
     params = list(model.parameters())
     where = (
@@ -634,12 +624,16 @@ def _loop_key(
     return shape, where
 
 
-def _loop_for(model, input_ids, processors, generation_config, eos, eos_key, cache) -> tuple[_Loop, bool]:
+def _loop_for(
+    model, input_ids, processors, generation_config, eos, eos_key, cache, options: DecodeOptions
+) -> tuple[_Loop, bool]:
     """(the loop for this call, whether an earlier call's); at most ``KEEP`` per model, most recent
-    first, and one per shape: a loop whose addresses or state no longer match is replaced. Host
-    work only (no device sync): it runs while the prompt's forward does."""
-    attention = decode_attention.choice(model, input_ids.device, input_ids.shape[0])
-    key = _loop_key(model, input_ids, processors, generation_config, eos_key, cache, attention)
+    first, and one per shape and ``options`` (resolved): a loop whose addresses or state no longer
+    match is replaced. Host work only (no device sync): it runs while the prompt's forward does."""
+    device = input_ids.device
+    split = options.triton_mlp and options.split_k
+    attention = decode_attention.choice(model, device, input_ids.shape[0], options.triton_attention)
+    key = _loop_key(model, input_ids, processors, generation_config, eos_key, cache, attention, options)
     if key is not None:
         kept = _LOOPS.setdefault(model, collections.OrderedDict())
         entry = kept.get(key[0])
@@ -653,11 +647,12 @@ def _loop_for(model, input_ids, processors, generation_config, eos, eos_key, cac
         eos,
         bool(generation_config.do_sample),
         attention,
-        fused_projections.plan(model),
-        decode_mlp.plan(model, input_ids.device),
-        decode_mlp.split_enabled(),
-        decode_attention.rope_plan(model, attention),
-        dependent_launches(input_ids.device),
+        fused_projections.plan(model) if options.fuse_qkv else (),
+        decode_mlp.plan(model, device, split) if options.triton_mlp else (),
+        split,
+        decode_attention.rope_plan(model, attention) if options.fuse_rope else (),
+        dependent_launches(device, options.dependent_launches),
+        options.triton_qkv,
     )
     if key is not None:
         kept[key[0]] = (key[1], loop)
@@ -757,18 +752,27 @@ class _Runner:
 
 
 def decode(
-    model, call, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs, graph_steps: int
+    model,
+    call,
+    input_ids,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    model_kwargs,
+    graph_steps: int,
+    options: DecodeOptions,
 ) -> torch.Tensor:
     """Generate with the static loop, in lockstep with ``call`` (a :class:`.lockstep._Call`): the
-    agreements of transformers' loop under lockstep, at the same steps."""
+    agreements of transformers' loop under lockstep, at the same steps. ``options``: resolved
+    (:meth:`DecodeOptions.resolved`)."""
     budget = int(call.budget)
     cache = model_kwargs["past_key_values"]
     eos = _eos_ids(stopping_criteria, input_ids.device)
     eos_key = None if eos is None else tuple(eos.tolist())  # read before the prefill is queued
     mask, positions = _prompt_inputs(input_ids, model_kwargs)
     # the prompt's forward is queued first: the host looks up (or builds) the loop while it runs
-    logits, prefill = _prefill(model, input_ids, mask, positions, cache)
-    loop, kept = _loop_for(model, input_ids, logits_processor, generation_config, eos, eos_key, cache)
+    logits, prefill = _prefill(model, input_ids, mask, positions, cache, options.compile_prefill)
+    loop, kept = _loop_for(model, input_ids, logits_processor, generation_config, eos, eos_key, cache, options)
     try:
         loop.start(
             model, input_ids, mask, positions, cache, logits_processor, generation_config, stopping_criteria, budget

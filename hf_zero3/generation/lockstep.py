@@ -36,6 +36,7 @@ from .._upstream import transformers as hf_up
 from .._upstream.versions import require
 from ..errors import RankDivergenceError, RankFailure
 from ..gathering import GATHER_MODES, EvalGatherMixin, gathered_forwards
+from ..options import DecodeOptions
 from ..runtime import runtime_of
 from . import compiled_decode, graph_decode
 from .compiled_decode import DECODE_MODES
@@ -43,7 +44,7 @@ from .compiled_decode import DECODE_MODES
 __all__ = ["LockstepConfig", "LockstepStats", "Zero3GenerationMixin", "lockstep", "lockstep_generate", "STOP_MODES"]
 
 STOP_MODES = ("sync", "fixed")
-_LOCKSTEP_KWARGS = ("stop", "sync_every", "gather", "group", "decode", "bucket", "graph_steps")
+_LOCKSTEP_KWARGS = ("stop", "sync_every", "gather", "group", "decode", "bucket", "graph_steps", "decode_options")
 
 
 @dataclass
@@ -66,6 +67,10 @@ class LockstepConfig:
         graph_steps: compiled decoding on CUDA replays this many decode steps per CUDA-graph
             launch (between two stop agreements; 0: no CUDA graphs); see
             :mod:`hf_zero3.generation.graph_decode`.
+        decode_options: which parts of the compiled decode path to use
+            (:class:`~hf_zero3.options.DecodeOptions`; None: every field from its ``HF_ZERO3_*``
+            variable, else the measured best). Read inside each call, so a malformed variable on
+            any rank makes every rank raise.
     """
 
     stop: str = "sync"
@@ -75,6 +80,7 @@ class LockstepConfig:
     decode: str = "auto"
     bucket: int = 64
     graph_steps: int = 8
+    decode_options: DecodeOptions | None = None
 
     def validate(self) -> "LockstepConfig":
         if self.stop not in STOP_MODES:
@@ -89,6 +95,8 @@ class LockstepConfig:
             raise ValueError(f"bucket must be a positive int (tokens), not {self.bucket!r}")
         if isinstance(self.graph_steps, bool) or not isinstance(self.graph_steps, int) or self.graph_steps < 0:
             raise ValueError(f"graph_steps must be an int >= 0 (decode steps per CUDA graph), not {self.graph_steps!r}")
+        if self.decode_options is not None and not isinstance(self.decode_options, DecodeOptions):
+            raise TypeError(f"decode_options must be a hf_zero3.DecodeOptions or None, not {self.decode_options!r}")
         return self
 
     def options(self) -> dict:
@@ -121,10 +129,12 @@ class LockstepStats:
     mlp_kernels: int = 0  # MLP modules whose decode steps ran through hf_zero3's Triton GEMMs
     split_k: int = 0  # projections (down, o_proj) whose decode steps ran through the split-K GEMM
     rope_attention: int = 0  # attention modules whose decode steps rotated, wrote the cache and attended in one kernel
-    dependent_launches: bool = False  # the decode steps' kernels were programmatic dependent launches (HF_ZERO3_PDL)
-    qkv_partials: bool = False  # fused q/k/v ran split-K, the rope kernel summed it (HF_ZERO3_TRITON_QKV)
+    dependent_launches: bool = (
+        False  # the decode steps' kernels were programmatic dependent launches (DecodeOptions.dependent_launches)
+    )
+    qkv_partials: bool = False  # fused q/k/v ran split-K, the rope kernel summed it (DecodeOptions.triton_qkv)
     prefill: str | None = None  # the static loop's prompt forward: "compiled" or "eager" (None: not its loop)
-    prefill_reason: str | None = None  # why it ran eagerly (None: compiled, or HF_ZERO3_COMPILE_PREFILL=0)
+    prefill_reason: str | None = None  # why it ran eagerly (None: compiled, or compile_prefill=False)
 
 
 class _Call:
@@ -139,6 +149,7 @@ class _Call:
         self.phase = "validating"  # -> "encoding" (encoder-decoder) -> "decoding" -> "done"
         self.region = None
         self.compile = False  # compiled decode wanted (the region must still allow it)
+        self.options: DecodeOptions | None = None  # resolved, where compiled decoding is wanted
 
     def _agree(self, op: str, values=(), *, error=None, count=False, record=None) -> list[int]:
         self.stats.agreements += 1
@@ -311,15 +322,16 @@ class Zero3GenerationMixin:
             hf_up.generation_hooks_present()
             _refuse_rank_divergent_options(cfg, args, kwargs)
             want, why = compiled_decode.resolve(self, cfg.decode, kwargs, deepcompile=rt.deepcompile_active())
+            options = (cfg.decode_options or DecodeOptions()).resolved()
             if want:
                 compiled_decode.prepare(self, args, kwargs, cfg.bucket)
         except Exception as exc:  # shared at the call's first agreement: every rank raises it
-            error, cfg, want, why = exc, LockstepConfig(), False, None
+            error, cfg, want, why, options = exc, LockstepConfig(), False, None, None
             group = overrides.get("group")  # None: the model's own group (a model with none raises alike)
         rt.enter()
         try:
             call = rt.loop = _Call(self, rt, cfg, group)
-            call.compile, call.stats.decode_reason = want, why
+            call.compile, call.stats.decode_reason, call.options = want, why, options
             graphs = compiled_decode.graph_count()
             try:
                 if error is not None:
@@ -427,6 +439,7 @@ class Zero3GenerationMixin:
                     generation_config,
                     model_kwargs,
                     call.cfg.graph_steps,
+                    call.options,
                 )
             call.stats.loop_reason = why
             compiled_decode.say_once(f"transformers' compiled loop instead of hf_zero3's static loop: {why}")
@@ -540,6 +553,7 @@ def lockstep(
     decode: str = "auto",
     bucket: int = 64,
     graph_steps: int = 8,
+    decode_options: DecodeOptions | None = None,
 ):
     """Make ``model.generate()`` run in lockstep under ZeRO-3, in place (no weights reloaded).
 
@@ -551,7 +565,9 @@ def lockstep(
     target = _generating_model(model)
     rt = runtime_of(model)
     target.__class__ = _lockstep_class(type(target))
-    rt.lockstep = LockstepConfig(stop, sync_every, gather, group, decode, bucket, graph_steps).validate()
+    rt.lockstep = LockstepConfig(
+        stop, sync_every, gather, group, decode, bucket, graph_steps, decode_options
+    ).validate()
     return model
 
 
@@ -565,6 +581,7 @@ def lockstep_generate(
     decode: str = "auto",
     bucket: int = 64,
     graph_steps: int = 8,
+    decode_options: DecodeOptions | None = None,
     **generate_kwargs,
 ):
     """``model.generate(**generate_kwargs)`` in lockstep, leaving ``model``'s class as it was.
@@ -584,6 +601,7 @@ def lockstep_generate(
             decode=decode,
             bucket=bucket,
             graph_steps=graph_steps,
+            decode_options=decode_options,
             **generate_kwargs,
         )
     finally:

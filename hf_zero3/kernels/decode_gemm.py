@@ -13,8 +13,8 @@ ablations in benchmarks/RESULTS.md): the gate/up kernel beats cuBLAS + inductor'
 plain GEMM does not and is not used; the decode step's MLP uses the gate/up kernel through
 :mod:`hf_zero3.generation.decode_mlp`.
 
-Programmatic dependent launch (:func:`load_dependent`; the decode loop's ``HF_ZERO3_PDL``, on by
-default on Hopper): at decode shapes each GEMM is short (microseconds) and pays a ramp of its own;
+Programmatic dependent launch (:func:`load_dependent`; the decode loop's ``dependent_launches``
+option, on by default on Hopper): at decode shapes each GEMM is short (microseconds) and pays a ramp of its own;
 launched as a dependent of the kernel before it, a GEMM's programs are resident and waiting when
 that kernel finishes, and release the kernel after them at once. A stack
 of the step's GEMMs in one CUDA graph runs faster with dependent launches than without

@@ -21,16 +21,14 @@ Loaded lazily: :func:`is_available` is False without Triton or without ``torch.l
 (torch < 2.6); the caller then keeps the PyTorch form. Registered as the custom ops
 ``hf_zero3::gqa_decode_attention`` and ``hf_zero3::gqa_decode_rope_attention`` (which mutates the
 two cache tensors) through ``torch.library.triton_op``, so ``torch.compile``
-(``fullgraph=True``) traces it and CUDA graphs capture it. ``HF_ZERO3_TRITON_ATTENTION``: ``auto``
-(default, where :func:`pays`), ``always``, ``0`` (off); read when a decode loop is built.
+(``fullgraph=True``) traces it and CUDA graphs capture it. The decode loop's
+``triton_attention`` option picks it: ``auto`` (default, where :func:`pays`), ``always``, ``off``.
 :func:`load` builds it outside any trace (the decode loop calls it when it picks the kernel). On
 CPU it runs only under Triton's interpreter (``TRITON_INTERPRET=1`` when it is built), which the
 CPU tests use.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -55,8 +53,6 @@ _state: dict = {}
 
 def unavailable_reason() -> str | None:
     """Why the kernel cannot run here (None: it can)."""
-    if os.environ.get("HF_ZERO3_TRITON_ATTENTION", "1").lower() in ("0", "off", "false"):
-        return "disabled by HF_ZERO3_TRITON_ATTENTION=0"
     return _state.get("error") or _triton.missing()
 
 
@@ -87,10 +83,7 @@ def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attent
 
 
 def pays(rows: int, kv_heads: int) -> bool:
-    """Whether the kernel is the faster form for ``rows`` x ``kv_heads`` programs: at least one per
-    SM (``HF_ZERO3_TRITON_ATTENTION=always``: whenever it runs)."""
-    if os.environ.get("HF_ZERO3_TRITON_ATTENTION", "auto").strip().lower() == "always":
-        return True
+    """Whether the kernel is the faster form for ``rows`` x ``kv_heads`` programs: at least one per SM."""
     return rows * kv_heads >= _state.get("min_programs", 0)
 
 
@@ -618,7 +611,7 @@ def rope_decode_attention(
     head dim up to 256, :func:`supports`' masks or a padding mask). ``dependent``: launched as a
     programmatic dependent launch (where
     :func:`hf_zero3.kernels.decode_gemm.dependent_unavailable` says it can be: the decode loop's
-    ``HF_ZERO3_PDL``). It then reads ``position`` and the cache positions before it ahead of its
+    ``dependent_launches`` option). It then reads ``position`` and the cache positions before it ahead of its
     wait for the kernel before it, so that kernel must write neither (the decode loop advances the
     fill counts between steps; the query, key and value may come from it).
 

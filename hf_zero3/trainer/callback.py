@@ -34,6 +34,7 @@ from .._upstream.versions import check_versions
 from ..errors import Zero3Error
 from ..gathering import GATHER_MODES, close_eval_region
 from ..generation.lockstep import LockstepConfig, _base_module, _lockstep_class, is_generation_model
+from ..options import DecodeOptions
 from ..runtime import runtime_of
 
 __all__ = ["Zero3Safe"]
@@ -58,6 +59,9 @@ class Zero3Safe(TrainerCallback):
             where the generation config sets ``disable_compile``, as TRL's GRPO does),
             ``"compiled"`` (also there: TRL's rollouts take it so) or ``"eager"``; see
             :mod:`hf_zero3.generation.compiled_decode`.
+        decode_options: which parts of the compiled decode path to use
+            (:class:`~hf_zero3.DecodeOptions`; None: from the ``HF_ZERO3_*`` variables, else the
+            measured best).
     """
 
     def __init__(
@@ -69,10 +73,13 @@ class Zero3Safe(TrainerCallback):
         memory_plan: bool = True,
         trl: bool = True,
         decode: str = "auto",
+        decode_options: DecodeOptions | None = None,
     ):
         if gather not in GATHER_MODES:
             raise ValueError(f"gather must be one of {GATHER_MODES}, not {gather!r}")
-        self.lockstep = LockstepConfig(stop, sync_every, gather, decode=decode).validate()
+        self.lockstep = LockstepConfig(
+            stop, sync_every, gather, decode=decode, decode_options=decode_options
+        ).validate()
         self.gather = gather
         self.memory_plan, self.trl = memory_plan, trl
         problems = check_versions("core")

@@ -29,6 +29,7 @@ BAD_ARGUMENTS = {
     "num_return_sequences": {"num_return_sequences": 3},
     "max_new_tokens_0": {"max_new_tokens": 0},
     "empty_batch": {"input_ids": torch.zeros((0, 4), dtype=torch.long)},
+    "decode_switch_typo": {"env": {"HF_ZERO3_FUSE_ROPE": "maybe"}},  # read inside the call
 }
 
 
@@ -46,9 +47,13 @@ def _one_rank_bad_argument():
     for name, bad in BAD_ARGUMENTS.items():
         mark(f"bad argument {name}")
         kw = dict(input_ids=ids, max_new_tokens=4, pad_token_id=0, eos_token_id=None)
+        env = {}
         if rank == world - 1:
+            bad = dict(bad)
+            env = bad.pop("env", {})
             kw.update(bad)
             kw = {k: v for k, v in kw.items() if v is not None}
+        os.environ.update(env)
         start = time.perf_counter()
         try:
             with torch.no_grad():
@@ -62,6 +67,9 @@ def _one_rank_bad_argument():
                 value_error=isinstance(exc, ValueError),
                 seconds=time.perf_counter() - start,
             )
+        finally:
+            for key in env:
+                del os.environ[key]
     mark("a clean call after every failure")
     with torch.no_grad():
         got = hf_zero3.lockstep_generate(engine, input_ids=ids, max_new_tokens=4, pad_token_id=0, eos_token_id=None)
@@ -91,8 +99,16 @@ def test_one_ranks_bad_argument_is_raised_on_every_rank(bad_argument_results, ca
 def test_refusals_stay_value_errors(bad_argument_results):
     _, results = bad_argument_results
     for r in results:
-        for case in ("stop_typo", "assisted_decoding", "max_time_with_fixed", "empty_batch", "max_new_tokens_0"):
+        for case in (
+            "stop_typo",
+            "assisted_decoding",
+            "max_time_with_fixed",
+            "empty_batch",
+            "max_new_tokens_0",
+            "decode_switch_typo",
+        ):
             assert r[case]["value_error"], (case, r[case])  # `except ValueError` keeps working
+        assert "HF_ZERO3_FUSE_ROPE='maybe' is not a switch" in r["decode_switch_typo"]["message"]
 
 
 def test_group_still_generates_correctly_after_the_failures(bad_argument_results):

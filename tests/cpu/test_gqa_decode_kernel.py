@@ -84,9 +84,6 @@ def test_unsupported_shapes_and_the_switch(monkeypatch):
     assert not gqa_decode.supports(q[:, :7], k, v, keep)  # heads not a multiple of key/value heads
     monkeypatch.setitem(gqa_decode._state, "interpret", False)
     assert not gqa_decode.supports(q, k, v, keep)  # CPU tensors, a kernel built for the GPU
-    monkeypatch.setenv("HF_ZERO3_TRITON_ATTENTION", "0")
-    assert gqa_decode.unavailable_reason() == "disabled by HF_ZERO3_TRITON_ATTENTION=0"
-    assert not gqa_decode.is_available()
 
 
 def test_a_llama_decode_step_through_the_kernel_matches_its_own_attention():
@@ -130,10 +127,9 @@ def test_the_kernel_is_chosen_where_it_has_a_program_per_sm(monkeypatch):
 
     monkeypatch.setitem(gqa_decode._state, "min_programs", 132)
     assert not gqa_decode.pays(8, 8) and gqa_decode.pays(64, 8)
-    monkeypatch.setenv("HF_ZERO3_TRITON_ATTENTION", "always")
-    assert gqa_decode.pays(8, 8)
     model = models.plain_model(models.tiny_llama_config())
-    assert decode_attention.choice(model, "cpu", 64) == decode_attention.NAME  # the kernel is for CUDA
+    for kernel in ("auto", "always", "off"):  # the kernel is for CUDA
+        assert decode_attention.choice(model, "cpu", 64, kernel) == decode_attention.NAME
     mha = models.plain_model(models.tiny_llama_config(num_key_value_heads=4))
     assert decode_attention.choice(mha, "cpu", 64) is None  # not grouped: the model's own attention
 
@@ -354,9 +350,6 @@ def test_llama_decode_steps_with_the_rope_kernel_match_its_own_attention(monkeyp
     from hf_zero3.testing import models
 
     model = models.plain_model(models.tiny_llama_config(attn_implementation="sdpa"))
-    monkeypatch.setenv("HF_ZERO3_FUSE_ROPE", "0")
-    assert decode_attention.rope_plan(model, decode_attention.KERNEL) == ()  # switched off
-    monkeypatch.delenv("HF_ZERO3_FUSE_ROPE", raising=False)  # on by default
     names = decode_attention.rope_plan(model, decode_attention.KERNEL)
     assert len(names) == model.config.num_hidden_layers
     assert decode_attention.rope_plan(model, decode_attention.NAME) == ()  # only with the kernel
@@ -409,39 +402,3 @@ def test_llama_decode_steps_with_the_rope_kernel_match_its_own_attention(monkeyp
             assert n1 == n2 == 8
             torch.testing.assert_close(k1, k2, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-6)
-
-
-def test_the_decode_switches_read_on_and_opt_in(monkeypatch):
-    """On-by-default switches (HF_ZERO3_FUSE_QKV, HF_ZERO3_FUSE_ROPE...) are off only for
-    0/false/no/off; an opt-in one would be on only for 1/true/yes/on; unset or empty is the
-    default."""
-    from hf_zero3.generation import _switch
-
-    name = "HF_ZERO3_TEST_SWITCH"
-    monkeypatch.delenv(name, raising=False)
-    assert _switch.on(name) and not _switch.on(name, default=False)
-    for value, on, opt_in in (
-        ("", True, False),
-        ("0", False, False),
-        (" Off ", False, False),
-        ("no", False, False),
-        ("1", True, True),
-        ("TRUE", True, True),
-        ("yes", True, True),
-        ("2", True, False),
-    ):
-        monkeypatch.setenv(name, value)
-        assert (_switch.on(name), _switch.on(name, default=False)) == (on, opt_in), value
-    # the library's own defaults: the fused rope kernel, dependent launches and q/k/v partials on
-    from hf_zero3.generation import decode_attention, graph_decode
-
-    for switch in ("HF_ZERO3_FUSE_ROPE", "HF_ZERO3_PDL", "HF_ZERO3_TRITON_QKV"):
-        monkeypatch.delenv(switch, raising=False)
-    assert decode_attention.rope_enabled() and graph_decode.pdl_enabled()
-    assert decode_attention.rope_qkv_enabled()
-    assert decode_attention.rope_qkv("cpu", False) is None  # q/k/v partials only with dependent launches
-    monkeypatch.setenv("HF_ZERO3_FUSE_ROPE", "off")
-    monkeypatch.setenv("HF_ZERO3_PDL", "0")
-    monkeypatch.setenv("HF_ZERO3_TRITON_QKV", "0")
-    assert not decode_attention.rope_enabled() and not graph_decode.pdl_enabled()
-    assert not decode_attention.rope_qkv_enabled() and decode_attention.rope_qkv("cuda", True) is None

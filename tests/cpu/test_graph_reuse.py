@@ -3,8 +3,18 @@ parameters, buffers, model state, processors and every tensor of the static cach
 graph re-checks nothing). Real transformers model, StaticCache and processors; no GPU needed for
 the keys (the CUDA-graph replay itself is tested in tests/gpu/test_compiled_decode_gpu.py)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
+
+from hf_zero3.options import DecodeOptions
+
+DEFAULTS = DecodeOptions().resolved({})  # the measured best, whatever the environment holds
+
+
+def _with(**changes) -> DecodeOptions:
+    return replace(DEFAULTS, **changes)
 
 
 @pytest.fixture()
@@ -59,38 +69,39 @@ def test_the_key_follows_parameters_state_hooks_and_processors(parts):
 
     model, cache, ids, cfg = parts
     attention = gd.decode_attention.choice(model, ids.device, ids.shape[0])  # as _loop_for passes it
+    options = DecodeOptions().resolved({})
     procs = [TemperatureLogitsWarper(0.7)]
-    key = gd._loop_key(model, ids, procs, cfg, None, cache, attention)
-    assert gd._loop_key(model, ids, [TemperatureLogitsWarper(0.7)], cfg, None, cache, attention) == key
-    assert gd._loop_key(model, ids, [TemperatureLogitsWarper(0.9)], cfg, None, cache, attention)[0] != key[0]
+    key = gd._loop_key(model, ids, procs, cfg, None, cache, attention, options)
+    assert gd._loop_key(model, ids, [TemperatureLogitsWarper(0.7)], cfg, None, cache, attention, options) == key
+    assert gd._loop_key(model, ids, [TemperatureLogitsWarper(0.9)], cfg, None, cache, attention, options)[0] != key[0]
     model.train()
-    assert gd._loop_key(model, ids, procs, cfg, None, cache, attention)[1] != key[1]
+    assert gd._loop_key(model, ids, procs, cfg, None, cache, attention, options)[1] != key[1]
     model.eval()
     model.model.layers[0].self_attn.lora_scaling = {"default": 2.0}  # PEFT keeps per-adapter values in dicts
-    scaled = gd._loop_key(model, ids, procs, cfg, None, cache, attention)
+    scaled = gd._loop_key(model, ids, procs, cfg, None, cache, attention, options)
     model.model.layers[0].self_attn.lora_scaling = {"default": 0.5}
-    assert gd._loop_key(model, ids, procs, cfg, None, cache, attention)[1] != scaled[1]
+    assert gd._loop_key(model, ids, procs, cfg, None, cache, attention, options)[1] != scaled[1]
     del model.model.layers[0].self_attn.lora_scaling
     handle = model.model.layers[0].register_forward_hook(lambda *a: None)
-    assert gd._loop_key(model, ids, procs, cfg, None, cache, attention)[1] != key[1]
+    assert gd._loop_key(model, ids, procs, cfg, None, cache, attention, options)[1] != key[1]
     handle.remove()
-    assert gd._loop_key(model, ids, procs, cfg, None, cache, attention) == key
+    assert gd._loop_key(model, ids, procs, cfg, None, cache, attention, options) == key
     # DeepSpeed's own module counters move with every training step and no forward reads them
     model.applied_pre_backward_ref_cnt = 3
     model.model.ds_grads_remaining = 1
-    assert gd._loop_key(model, ids, procs, cfg, None, cache, attention) == key
+    assert gd._loop_key(model, ids, procs, cfg, None, cache, attention, options) == key
     del model.applied_pre_backward_ref_cnt, model.model.ds_grads_remaining
     with torch.no_grad():
         w = model.lm_head.weight
         model.lm_head.weight = torch.nn.Parameter(w.clone())  # new storage, as a new gathered region gives
-    assert gd._loop_key(model, ids, procs, cfg, None, cache, attention)[1] != key[1]
+    assert gd._loop_key(model, ids, procs, cfg, None, cache, attention, options)[1] != key[1]
 
     class Holding(TemperatureLogitsWarper):  # a processor holding a tensor is never kept
         def __init__(self):
             super().__init__(0.7)
             self.bias = torch.zeros(3)
 
-    assert gd._loop_key(model, ids, [Holding()], cfg, None, cache, attention) is None
+    assert gd._loop_key(model, ids, [Holding()], cfg, None, cache, attention, options) is None
 
 
 def test_loops_are_kept_per_shape_replaced_when_stale_and_released(parts):
@@ -98,15 +109,15 @@ def test_loops_are_kept_per_shape_replaced_when_stale_and_released(parts):
     from hf_zero3.generation import release_decode_graphs
 
     model, cache, ids, cfg = parts
-    first, kept = gd._loop_for(model, ids, [], cfg, None, None, cache)
-    again, kept_again = gd._loop_for(model, ids, [], cfg, None, None, cache)
+    first, kept = gd._loop_for(model, ids, [], cfg, None, None, cache, DEFAULTS)
+    again, kept_again = gd._loop_for(model, ids, [], cfg, None, None, cache, DEFAULTS)
     assert not kept and kept_again and again is first
     model.train()  # a state the compiled forward guards on: a new loop replaces the stale one
-    other, kept = gd._loop_for(model, ids, [], cfg, None, None, cache)
+    other, kept = gd._loop_for(model, ids, [], cfg, None, None, cache, DEFAULTS)
     assert not kept and other is not first and len(gd._LOOPS[model]) == 1
     model.eval()
     for batch in (3, 4, 5):  # other batch sizes: at most KEEP shapes per model
-        gd._loop_for(model, ids[:1].expand(batch, -1), [], cfg, None, None, cache)
+        gd._loop_for(model, ids[:1].expand(batch, -1), [], cfg, None, None, cache, DEFAULTS)
     assert len(gd._LOOPS[model]) == gd.KEEP
     release_decode_graphs(model)
     assert model not in gd._LOOPS
@@ -122,11 +133,11 @@ def test_a_4d_attention_mask_keeps_transformers_loop(parts):
     assert gd.unsupported(model, [], [], cfg, None, kwargs, 8) is None
 
 
-def test_dependent_launches_fall_back_quietly_by_default_and_say_why_when_asked(parts, monkeypatch, caplog):
-    """HF_ZERO3_PDL (on by default) makes the decode steps' kernels programmatic dependent launches
-    where the GPU can; here (no Hopper GPU) the loop launches as usual: silently at the default,
-    with one log line saying why when HF_ZERO3_PDL=1 asks for it. The switch is part of what a kept
-    loop is for (turning it off builds a new loop)."""
+def test_dependent_launches_fall_back_quietly_by_default_and_say_why_when_asked(parts, caplog):
+    """Dependent launches (``dependent_launches="auto"``, the default) make the decode steps'
+    kernels programmatic dependent launches where the GPU can; here (no Hopper GPU) the loop
+    launches as usual: silently at the default, with one log line saying why when ``"on"`` asks for
+    it. The options are part of what a kept loop is for (another value builds a new loop)."""
     from hf_zero3.generation import graph_decode as gd
     from hf_zero3.generation import release_decode_graphs
     from hf_zero3.kernels import decode_gemm
@@ -135,21 +146,34 @@ def test_dependent_launches_fall_back_quietly_by_default_and_say_why_when_asked(
     why = decode_gemm.dependent_unavailable("cpu")
     assert why is not None and ("NVIDIA GPU" in why or "interpreter" in why or "Triton" in why), why
     gd._PDL_REFUSED.clear()
-    monkeypatch.delenv("HF_ZERO3_PDL", raising=False)
     with caplog.at_level("WARNING", logger="hf_zero3.generation"):
-        assert gd.pdl_enabled() and gd.dependent_launches("cpu") is False
-        default, _ = gd._loop_for(model, ids, [], cfg, None, None, cache)
+        assert gd.dependent_launches("cpu") is False
+        default, _ = gd._loop_for(model, ids, [], cfg, None, None, cache, DEFAULTS)
         assert default.dependent is False
-        assert not [r for r in caplog.records if "HF_ZERO3_PDL" in r.getMessage()]
-        monkeypatch.setenv("HF_ZERO3_PDL", "1")
-        assert gd.dependent_launches("cpu") is False and gd.dependent_launches("cpu") is False
-    said = [r.getMessage() for r in caplog.records if "HF_ZERO3_PDL" in r.getMessage()]
+        assert not [r for r in caplog.records if "dependent launches" in r.getMessage()]
+        assert gd.dependent_launches("cpu", "on") is False and gd.dependent_launches("cpu", "on") is False
+    said = [r.getMessage() for r in caplog.records if "dependent launches" in r.getMessage()]
     assert len(said) == 1 and why in said[0], said
     assert default.qkv is None  # the q/k/v partials ride on dependent launches
-    monkeypatch.setenv("HF_ZERO3_PDL", "0")
-    off, kept = gd._loop_for(model, ids, [], cfg, None, None, cache)
+    off, kept = gd._loop_for(model, ids, [], cfg, None, None, cache, _with(dependent_launches="off"))
     assert not kept and off is not default and off.dependent is False
-    monkeypatch.setenv("HF_ZERO3_TRITON_QKV", "0")  # part of the key too
-    qkv_off, kept = gd._loop_for(model, ids, [], cfg, None, None, cache)
+    qkv_off, kept = gd._loop_for(model, ids, [], cfg, None, None, cache, _with(triton_qkv=False))
     assert not kept and qkv_off is not off
+    release_decode_graphs(model)
+
+
+def test_each_option_builds_its_own_loop_and_turns_its_part_off(parts):
+    """A loop is kept per resolved DecodeOptions; with fuse_qkv, triton_mlp or fuse_rope off the
+    loop plans none of that part."""
+    from hf_zero3.generation import graph_decode as gd
+    from hf_zero3.generation import release_decode_graphs
+
+    model, cache, ids, cfg = parts
+    default, _ = gd._loop_for(model, ids, [], cfg, None, None, cache, DEFAULTS)
+    assert default.fused.names  # the tiny Llama's q/k/v fuse by default
+    unfused, kept = gd._loop_for(model, ids, [], cfg, None, None, cache, _with(fuse_qkv=False))
+    assert not kept and unfused is not default and unfused.fused.names == ()
+    for change in (dict(triton_mlp=False), dict(fuse_rope=False), dict(compile_prefill=False)):
+        loop, kept = gd._loop_for(model, ids, [], cfg, None, None, cache, _with(**change))
+        assert not kept and loop.mlp == () and loop.rope == (), change  # CPU: neither part applies
     release_decode_graphs(model)

@@ -69,16 +69,12 @@ def _static_loop_batches_rank():
 
     if os.environ.get("TRITON_INTERPRET") == "1" and gqa_decode.load() is not None:
         choice = decode_attention.choice
-        decode_attention.choice = lambda model, device, rows: decode_attention.KERNEL
+        decode_attention.choice = lambda model, device, rows, kernel="auto": decode_attention.KERNEL
         try:
             os.environ.pop("HF_ZERO3_FUSE_ROPE", None)  # the default
             run("rope_kernel", decode="compiled")
             run("rope_kernel_again", decode="compiled")
-            os.environ["HF_ZERO3_FUSE_ROPE"] = "0"
-            try:
-                run("kernel_unfused_rope", decode="compiled")
-            finally:
-                del os.environ["HF_ZERO3_FUSE_ROPE"]
+            run("kernel_unfused_rope", decode="compiled", decode_options=hf_zero3.DecodeOptions(fuse_rope=False))
         finally:
             decode_attention.choice = choice
     # the same prompts sliced from a wider tensor (row stride != length, as a prompt cut from a

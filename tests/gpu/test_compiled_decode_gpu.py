@@ -14,8 +14,8 @@ pytestmark = pytest.mark.gpu
 def test_compiled_decode_matches_eager_logits_and_does_not_recompile():
     from _decode_workers import compiled_decode
 
-    from hf_zero3.generation import decode_attention, graph_decode
     from hf_zero3.kernels import decode_gemm
+    from hf_zero3.options import DecodeOptions
 
     res = _run(compiled_decode, timeout=800)
     for r in res:
@@ -32,11 +32,12 @@ def test_compiled_decode_matches_eager_logits_and_does_not_recompile():
         assert g["split_k"] == 8, g  # 4 layers' down (2816: 4 slices) and o_proj (1024: 2) through split-K
         assert g["rope_attention"] == 4, g  # rotary + cache write + attention in one kernel, every layer
         # programmatic dependent launches by default on an H100/H200, none with HF_ZERO3_PDL=0
+        options = DecodeOptions().resolved()
         assert g["dependent_launches"] == (
-            graph_decode.pdl_enabled() and decode_gemm.dependent_unavailable("cuda") is None
+            options.dependent_launches != "off" and decode_gemm.dependent_unavailable("cuda") is None
         ), g
         # with them, the fused q/k/v projection through the split-K GEMM into the rope kernel
-        assert g["qkv_partials"] == (g["dependent_launches"] and decode_attention.rope_qkv_enabled()), g
+        assert g["qkv_partials"] == (g["dependent_launches"] and options.triton_qkv), g
         print("graphs:", g)  # for the record (mlp_kernels: MLPs through hf_zero3's Triton GEMMs)
         gtf = r["graphs_teacher_forced"]
         assert gtf["tokens"] > 0 and gtf["max_margin"] <= 0.05 * max(1.0, gtf["max_abs_logit"]), gtf

@@ -1,0 +1,69 @@
+"""DecodeOptions: one grammar for every decode switch, explicit values over the environment,
+defaults the measured best, and bad values refused by name."""
+
+from dataclasses import fields
+
+import pytest
+
+from hf_zero3.options import DECODE_SWITCHES, ENVIRONMENT, DecodeOptions, parse_switch
+
+
+def test_every_switch_reads_one_grammar():
+    for raw in ("1", "true", "YES", " on "):
+        assert parse_switch("HF_ZERO3_X", raw) is True
+    for raw in ("0", "False", "no", "OFF"):
+        assert parse_switch("HF_ZERO3_X", raw) is False
+    for raw in ("2", "maybe", "enabled"):
+        with pytest.raises(ValueError, match=r"HF_ZERO3_X='.*' is not a switch"):
+            parse_switch("HF_ZERO3_X", raw)
+
+
+def test_defaults_are_every_part_on_and_attention_by_the_sm_count():
+    assert DecodeOptions().resolved({}) == DecodeOptions(
+        fuse_qkv=True,
+        triton_mlp=True,
+        split_k=True,
+        triton_attention="auto",
+        fuse_rope=True,
+        triton_qkv=True,
+        dependent_launches="auto",
+        compile_prefill=True,
+    )
+
+
+@pytest.mark.parametrize("field", [f for f in fields(DecodeOptions) if not f.metadata["choices"]], ids=lambda f: f.name)
+def test_each_boolean_variable_turns_its_part_off_and_an_explicit_value_wins(field):
+    env = field.metadata["env"]
+    for raw, expected in (("", True), ("0", False), ("no", False), ("on", True)):
+        assert getattr(DecodeOptions().resolved({env: raw}), field.name) is expected, raw
+    explicit = DecodeOptions(**{field.name: True}).resolved({env: "0"})
+    assert getattr(explicit, field.name) is True
+    with pytest.raises(ValueError, match=env):
+        DecodeOptions().resolved({env: "2"})
+
+
+def test_the_three_way_settings():
+    # the attention kernel: auto / always / off, a switch's "no" turns it off (it once stayed on)
+    for raw, expected in (("", "auto"), ("always", "always"), ("no", "off"), ("0", "off"), ("1", "auto")):
+        assert DecodeOptions().resolved({"HF_ZERO3_TRITON_ATTENTION": raw}).triton_attention == expected, raw
+    with pytest.raises(ValueError, match="HF_ZERO3_TRITON_ATTENTION='sometimes'"):
+        DecodeOptions().resolved({"HF_ZERO3_TRITON_ATTENTION": "sometimes"})
+    # dependent launches: unset or auto is "auto"; set to on, "on" (a warning where the GPU cannot)
+    for raw, expected in (("", "auto"), ("auto", "auto"), ("1", "on"), ("off", "off")):
+        assert DecodeOptions().resolved({"HF_ZERO3_PDL": raw}).dependent_launches == expected, raw
+
+
+def test_bad_explicit_values_raise_at_construction():
+    with pytest.raises(ValueError, match="fuse_rope must be True, False or None"):
+        DecodeOptions(fuse_rope="no")
+    with pytest.raises(ValueError, match="triton_attention must be one of"):
+        DecodeOptions(triton_attention="sometimes")
+    import hf_zero3
+
+    with pytest.raises(TypeError, match="decode_options must be a hf_zero3.DecodeOptions"):
+        hf_zero3.LockstepConfig(decode_options={"fuse_rope": False}).validate()
+
+
+def test_the_registry_names_one_variable_per_option():
+    assert set(DECODE_SWITCHES) == {f.metadata["env"] for f in fields(DecodeOptions)}
+    assert set(DECODE_SWITCHES) <= set(ENVIRONMENT)
