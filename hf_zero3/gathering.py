@@ -26,7 +26,7 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
-from . import zero3
+from . import runtime, zero3
 from ._upstream import deepspeed as ds_up
 from ._upstream import torch as torch_up
 from .runtime import runtime_of
@@ -140,7 +140,7 @@ def gathered_forwards(
     removed them or when no engine ever added them), ``"deepspeed"`` or ``"hf_zero3"``.
     Outside ZeRO-3 it does nothing. ``group`` overrides the parameters' own gather group.
     """
-    model = zero3.unwrap(model_or_engine)
+    model = runtime.unwrap(model_or_engine)
     if not zero3.is_zero3_model(model):
         yield GatherPlan("none")
         return
@@ -157,11 +157,11 @@ def gathered_forwards(
         if plan.strategy in ("all", "held"):
             if plan.strategy == "all":
                 stack.enter_context(ds_up.gathered_parameters(zero3.zero3_params(model)))
-            stack.enter_context(zero3.zero3_hooks_suspended(model_or_engine))
+            stack.enter_context(runtime.zero3_hooks_suspended(model_or_engine))
         elif layer_hooks == "hf_zero3" or (layer_hooks == "auto" and (plan.deepcompile or rt.offload() is None)):
             # DeepCompile removed DeepSpeed's hooks (or no engine ever added them, as for a
             # model built under zero.Init alone): fetch layer by layer ourselves.
-            stack.enter_context(zero3.zero3_hooks_suspended(model_or_engine))
+            stack.enter_context(runtime.zero3_hooks_suspended(model_or_engine))
             stack.enter_context(layerwise_gather_hooks(model))
         yield plan
 

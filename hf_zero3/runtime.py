@@ -14,17 +14,18 @@ A deep-copied or pickled model does not take its runtime along (the copy gets it
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
-from typing import Any
+from typing import Any, Iterator
 
 import torch.nn as nn
 
-from . import agree
+from . import agree, zero3
 from ._upstream import deepspeed as ds_up
 from ._upstream import torch as torch_up
 
-__all__ = ["Runtime", "runtime_of", "ATTR"]
+__all__ = ["Runtime", "runtime_of", "ATTR", "unwrap", "engine_of", "deepcompile_active", "zero3_hooks_suspended"]
 
 ATTR = "hf_zero3_runtime"
 _CREATE_LOCK = threading.Lock()
@@ -87,8 +88,6 @@ class Runtime:
     def group(self):
         """The process group the model's parameters are all-gathered over (see :func:`zero3.gather_group`)."""
         if self._group is None:
-            from . import zero3
-
             self._group = zero3.gather_group(self.model)
         return self._group
 
@@ -110,8 +109,6 @@ class Runtime:
 
     def param_ids(self) -> frozenset[int]:
         """DeepSpeed ids of the model's ZeRO-3 parameters (the memory-plan pass routes graphs by them)."""
-        from . import zero3
-
         return frozenset(ds_up.param_id(p) for p in zero3.zero3_params(self.model))
 
     # -- tagged agreements --------------------------------------------------------------------
@@ -196,3 +193,52 @@ def runtime_of(obj, create: bool = True) -> Runtime | None:
         if engine is not None:
             rt.attach_engine(engine)
     return rt
+
+
+def unwrap(model_or_engine: Any) -> nn.Module:
+    """The module inside a DeepSpeed engine (the module itself otherwise; PEFT models stay as they
+    are: their forward is the one to call). Attaches the engine to the module's runtime."""
+    if ds_up.is_engine(model_or_engine):
+        runtime_of(model_or_engine)
+        return ds_up.engine_module(model_or_engine)
+    return model_or_engine
+
+
+def engine_of(model_or_engine: Any):
+    """The ``DeepSpeedEngine`` of this model, if an entry point was handed it (None otherwise)."""
+    if ds_up.is_engine(model_or_engine):
+        return model_or_engine
+    rt = runtime_of(model_or_engine, create=False)
+    return rt.engine if rt is not None else None
+
+
+def deepcompile_active(model_or_engine) -> bool:
+    """``engine.compile()`` has run with DeepCompile: the eager ZeRO-3 hooks are gone and the
+    compiled graph gathers parameters natively."""
+    return runtime_of(model_or_engine).deepcompile_active()
+
+
+@contextlib.contextmanager
+def zero3_hooks_suspended(model_or_engine) -> Iterator[bool]:
+    """Take DeepSpeed's per-module fetch/release hooks off the model for the duration.
+
+    Used while every parameter is already gathered (or gathered by our own layer hooks): the
+    eager hooks would otherwise re-partition each layer right after it runs and re-gather it on
+    the next call. The hooks are restored in their original order, with the same ids, so
+    DeepSpeed's trace and ``ds_id``s are untouched, also when the block raises. Yields whether
+    any hooks were live.
+    """
+    offload = runtime_of(model_or_engine).offload()
+    if offload is None:
+        yield False
+        return
+    ids = ds_up.offload_hook_ids(offload)
+    entries = [
+        (hooks, k)
+        for m in ds_up.offload_module(offload).modules()
+        for _name, hooks in ds_up.module_hook_dicts(m)
+        for k in hooks
+        if k in ids
+    ]
+    with torch_up.hooks_suspended(entries):
+        yield bool(entries)

@@ -1,23 +1,22 @@
 """Facts about a model or engine under ZeRO-3: partitioned? over which group? how big gathered?
 
-Built on :mod:`hf_zero3._upstream.deepspeed` (the only reader of DeepSpeed's attributes) and the
-model's :class:`~hf_zero3.runtime.Runtime` (which knows its engine): no heap scans.
+Built on :mod:`hf_zero3._upstream.deepspeed` (the only reader of DeepSpeed's attributes) alone:
+what needs the model's engine or hf_zero3's state about it (:func:`~hf_zero3.runtime.unwrap`,
+:func:`~hf_zero3.runtime.engine_of`, DeepCompile, the eager hooks) lives in
+:mod:`hf_zero3.runtime`, one layer up. No heap scans.
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn
 
 from ._upstream import deepspeed as ds_up
-from ._upstream import torch as torch_up
 
 __all__ = [
-    "unwrap",
-    "engine_of",
+    "module_of",
     "is_zero3_param",
     "is_zero3_model",
     "zero3_params",
@@ -25,8 +24,6 @@ __all__ = [
     "group_world_size",
     "group_ranks",
     "gather_ranks",
-    "deepcompile_active",
-    "zero3_hooks_suspended",
     "full_param_bytes",
     "device_of",
 ]
@@ -34,34 +31,19 @@ __all__ = [
 is_zero3_param = ds_up.is_zero3_param
 
 
-def unwrap(model_or_engine: Any) -> nn.Module:
+def module_of(model_or_engine: Any) -> nn.Module:
     """The module inside a DeepSpeed engine (the module itself otherwise; PEFT models stay as they
-    are: their forward is the one to call). Attaches the engine to the module's runtime."""
-    if ds_up.is_engine(model_or_engine):
-        from .runtime import runtime_of
-
-        runtime_of(model_or_engine)
-        return ds_up.engine_module(model_or_engine)
-    return model_or_engine
-
-
-def engine_of(model_or_engine: Any):
-    """The ``DeepSpeedEngine`` of this model, if an entry point was handed it (None otherwise)."""
-    if ds_up.is_engine(model_or_engine):
-        return model_or_engine
-    from .runtime import runtime_of
-
-    rt = runtime_of(model_or_engine, create=False)
-    return rt.engine if rt is not None else None
+    are). Records nothing: :func:`hf_zero3.runtime.unwrap` also attaches the engine."""
+    return ds_up.engine_module(model_or_engine) if ds_up.is_engine(model_or_engine) else model_or_engine
 
 
 def zero3_params(model: nn.Module) -> list[torch.nn.Parameter]:
-    return [p for p in unwrap(model).parameters() if is_zero3_param(p)]
+    return [p for p in module_of(model).parameters() if is_zero3_param(p)]
 
 
 def is_zero3_model(model: nn.Module) -> bool:
     """True when the model's parameters are ZeRO-3 partitioned (by ``zero.Init`` or an engine)."""
-    return any(is_zero3_param(p) for p in unwrap(model).parameters())
+    return any(is_zero3_param(p) for p in module_of(model).parameters())
 
 
 def gather_group(model: nn.Module):
@@ -113,46 +95,10 @@ def gather_ranks(model: nn.Module) -> set[int]:
     return {r for g in groups.values() for r in group_ranks(g)}
 
 
-def deepcompile_active(model_or_engine) -> bool:
-    """``engine.compile()`` has run with DeepCompile: the eager ZeRO-3 hooks are gone and the
-    compiled graph gathers parameters natively."""
-    from .runtime import runtime_of
-
-    return runtime_of(model_or_engine).deepcompile_active()
-
-
-@contextlib.contextmanager
-def zero3_hooks_suspended(model_or_engine) -> Iterator[bool]:
-    """Take DeepSpeed's per-module fetch/release hooks off the model for the duration.
-
-    Used while every parameter is already gathered (or gathered by our own layer hooks): the
-    eager hooks would otherwise re-partition each layer right after it runs and re-gather it on
-    the next call. The hooks are restored in their original order, with the same ids, so
-    DeepSpeed's trace and ``ds_id``s are untouched, also when the block raises. Yields whether
-    any hooks were live.
-    """
-    from .runtime import runtime_of
-
-    offload = runtime_of(model_or_engine).offload()
-    if offload is None:
-        yield False
-        return
-    ids = ds_up.offload_hook_ids(offload)
-    entries = [
-        (hooks, k)
-        for m in ds_up.offload_module(offload).modules()
-        for _name, hooks in ds_up.module_hook_dicts(m)
-        for k in hooks
-        if k in ids
-    ]
-    with torch_up.hooks_suspended(entries):
-        yield bool(entries)
-
-
 def full_param_bytes(model: nn.Module) -> int:
     """Bytes the model's parameters take when fully gathered on one rank."""
     total = 0
-    for p in unwrap(model).parameters():
+    for p in module_of(model).parameters():
         numel = ds_up.param_full_numel(p) if is_zero3_param(p) else p.numel()
         total += int(numel) * p.element_size()
     return total
@@ -160,6 +106,6 @@ def full_param_bytes(model: nn.Module) -> int:
 
 def device_of(model: nn.Module) -> torch.device:
     """Where the model computes (a partitioned parameter's shard lives there)."""
-    for p in unwrap(model).parameters():
+    for p in module_of(model).parameters():
         return (ds_up.param_shard(p) if is_zero3_param(p) else p).device
     return torch.device("cpu")

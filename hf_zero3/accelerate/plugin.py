@@ -36,6 +36,7 @@ __all__ = [
     "disable_memory_plan",
     "memory_plan_enabled",
     "resolve_memory_plan_section",
+    "wants_memory_plan",
 ]
 
 log = logging.getLogger("hf_zero3.accelerate")
@@ -55,7 +56,8 @@ def resolve_memory_plan_section(ds_config: dict, override: MemoryPlanConfig | No
     return config
 
 
-def _wants_plan(ds_config: dict) -> bool:
+def wants_memory_plan(ds_config: dict) -> bool:
+    """Whether ``ds_config`` runs DeepCompile ZeRO-3 (stage 3 or ``"auto"``): the memory plan's case."""
     stage = (ds_config.get("zero_optimization") or {}).get("stage")
     return bool((ds_config.get("compile") or {}).get("deepcompile")) and stage in (3, "auto")
 
@@ -75,7 +77,7 @@ def _default_schedule(engine):
 def _before_prepare(accelerator) -> MemoryPlanConfig | None:
     plugin = accelerator.state.deepspeed_plugin
     config, override = plugin.deepspeed_config, getattr(plugin, "_hf_zero3_config", None)
-    if not _wants_plan(config) and SECTION[0] not in config and override is None:
+    if not wants_memory_plan(config) and SECTION[0] not in config and override is None:
         return None  # ZeRO-1/2 or no DeepCompile, no section: leave the config (and HF_ZERO3_*) alone
     return resolve_memory_plan_section(config, override)
 
@@ -144,7 +146,7 @@ class Zero3DeepSpeedPlugin(DeepSpeedPlugin):
             )
         self._hf_zero3_config = config
         resolve_memory_plan_section(self.deepspeed_config, config)
-        if _wants_plan(self.deepspeed_config) and config.enabled:
+        if wants_memory_plan(self.deepspeed_config) and config.enabled:
             enable_memory_plan()
         else:
             log.info(

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .. import zero3
+from .. import runtime, zero3
 from .._upstream import deepspeed as ds_up
 from .._upstream import transformers as hf_up
 from .._upstream.versions import require
@@ -41,7 +41,17 @@ from ..runtime import runtime_of
 from . import compiled_decode, graph_decode
 from .compiled_decode import DECODE_MODES
 
-__all__ = ["LockstepConfig", "LockstepStats", "Zero3GenerationMixin", "lockstep", "lockstep_generate", "STOP_MODES"]
+__all__ = [
+    "LockstepConfig",
+    "LockstepStats",
+    "Zero3GenerationMixin",
+    "lockstep",
+    "lockstep_generate",
+    "lockstep_class",
+    "base_module",
+    "is_generation_model",
+    "STOP_MODES",
+]
 
 STOP_MODES = ("sync", "fixed")
 _LOCKSTEP_KWARGS = ("stop", "sync_every", "gather", "group", "decode", "bucket", "graph_steps", "decode_options")
@@ -167,7 +177,7 @@ class _Call:
         agreed = self._agree("generate", [budget, -budget], error=error, count=True)
         self.phase = "encoding"
         region = gathered_forwards(
-            zero3.engine_of(self.model) or self.model, self.cfg.gather, self.group, op="generate.gather"
+            runtime.engine_of(self.model) or self.model, self.cfg.gather, self.group, op="generate.gather"
         )
         try:
             self.stats.gather = region.__enter__().strategy
@@ -510,7 +520,7 @@ def _refuse_rank_divergent_options(cfg: LockstepConfig, args: tuple, kwargs: dic
 _LOCKSTEP_CLASSES: dict[type, type] = {}
 
 
-def _lockstep_class(cls: type, generation: bool = True) -> type:
+def lockstep_class(cls: type, generation: bool = True) -> type:
     """``cls`` refined with EvalGatherMixin (always) and Zero3GenerationMixin (generation models).
     Same name as the library class: ``save_pretrained`` records it in ``config.architectures``."""
     mixins = ((Zero3GenerationMixin,) if generation else ()) + (EvalGatherMixin,)
@@ -525,9 +535,9 @@ def _lockstep_class(cls: type, generation: bool = True) -> type:
     return _LOCKSTEP_CLASSES[key]
 
 
-def _base_module(obj) -> nn.Module:
+def base_module(obj) -> nn.Module:
     """The module whose methods run: through an engine and PEFT wrappers."""
-    module = zero3.unwrap(obj)
+    module = runtime.unwrap(obj)
     get_base = getattr(module, "get_base_model", None)  # PEFT
     return get_base() if callable(get_base) else module
 
@@ -537,7 +547,7 @@ def is_generation_model(module: nn.Module) -> bool:
 
 
 def _generating_model(obj) -> nn.Module:
-    module = _base_module(obj)
+    module = base_module(obj)
     if not is_generation_model(module):
         raise TypeError(f"{type(module).__name__} is not a transformers generation model (no GenerationMixin)")
     return module
@@ -564,7 +574,7 @@ def lockstep(
     require("core")
     target = _generating_model(model)
     rt = runtime_of(model)
-    target.__class__ = _lockstep_class(type(target))
+    target.__class__ = lockstep_class(type(target))
     rt.lockstep = LockstepConfig(
         stop, sync_every, gather, group, decode, bucket, graph_steps, decode_options
     ).validate()
@@ -591,9 +601,9 @@ def lockstep_generate(
     """
     target = _generating_model(model)
     saved = target.__class__
-    target.__class__ = _lockstep_class(saved)
+    target.__class__ = lockstep_class(saved)
     try:
-        return zero3.unwrap(model).generate(
+        return runtime.unwrap(model).generate(
             stop=stop,
             sync_every=sync_every,
             gather=gather,

@@ -33,7 +33,7 @@ from .._upstream import trl as trl_up
 from .._upstream.versions import check_versions
 from ..errors import Zero3Error
 from ..gathering import GATHER_MODES, close_eval_region
-from ..generation.lockstep import LockstepConfig, _base_module, _lockstep_class, is_generation_model
+from ..generation.lockstep import LockstepConfig, base_module, is_generation_model, lockstep_class
 from ..options import DecodeOptions
 from ..runtime import runtime_of
 
@@ -103,9 +103,10 @@ class Zero3Safe(TrainerCallback):
             return
         self.bind(trainer, model)
         if self.trl and trl_up.is_trl_trainer(trainer):
-            from ..trl import apply
+            from ..trl import adapter
 
-            apply(trainer, zero3safe=self)
+            if adapter.runs_zero3(trainer):
+                adapter.adapt(trainer)
 
     def bind(self, trainer, model=None) -> None:
         """Serve ``trainer`` (done by ``on_init_end``; :func:`hf_zero3.trl.apply` calls it for a
@@ -130,9 +131,9 @@ class Zero3Safe(TrainerCallback):
         """Lockstep generation on generation models; eval regions on every model (local)."""
         if model is None:
             return
-        target = _base_module(model)
+        target = base_module(model)
         generation = is_generation_model(target)
-        target.__class__ = _lockstep_class(type(target), generation=generation)
+        target.__class__ = lockstep_class(type(target), generation=generation)
         rt = runtime_of(model)
         rt.eval_auto_region, rt.eval_gather = True, self.gather
         if generation:
@@ -154,11 +155,11 @@ class Zero3Safe(TrainerCallback):
         """Install the memory plan's accelerate/DeepSpeed wrappers only for a DeepCompile ZeRO-3 run."""
         if not self.memory_plan:
             return
-        from ..accelerate.plugin import _wants_plan
+        from ..accelerate.plugin import wants_memory_plan
         from ..compile.config import SECTION
 
         config = hf_up.trainer_deepspeed_config(trainer) or {}
-        if _wants_plan(config) or SECTION[0] in config:  # the plan, or our section's "auto"s to resolve
+        if wants_memory_plan(config) or SECTION[0] in config:  # the plan, or our section's "auto"s to resolve
             from ..accelerate import enable_memory_plan
 
             enable_memory_plan()

@@ -8,7 +8,27 @@
   begins (:mod:`hf_zero3.trl.fused_head`; done by ``Zero3Safe`` / :func:`apply`).
 """
 
-from .adapter import apply
+from .adapter import adapt, runs_zero3
 from .rollout import early_stop
 
 __all__ = ["apply", "early_stop"]
+
+
+def apply(trainer, zero3safe=None) -> list[str]:
+    """Make ``trainer`` (a TRL trainer) safe under ZeRO-3; returns the names of what was adapted.
+
+    Without ``zero3safe`` a :class:`~hf_zero3.Zero3Safe` is created, bound to the trainer and
+    added as a callback (so ``apply(trainer)`` after construction equals passing
+    ``callbacks=[Zero3Safe()]``). Local: nothing is exchanged until the first adapted call.
+    Tool rounds of a vLLM trainer are left as they are (vLLM generates outside the ZeRO-3 group).
+    A trainer whose DeepSpeed config is not ZeRO-3 is left alone.
+    """
+    if not runs_zero3(trainer):
+        return []
+    if zero3safe is None:
+        from ..trainer.callback import Zero3Safe  # the entry point above the adapter it applies
+
+        zero3safe = Zero3Safe(trl=False)
+        zero3safe.bind(trainer, trainer.model)
+        trainer.add_callback(zero3safe)
+    return adapt(trainer)

@@ -62,7 +62,7 @@ from .._upstream.versions import require
 from ..gathering import close_eval_region
 from ..runtime import runtime_of
 
-__all__ = ["apply", "DEEPCOMPILE_PAD_TO_MULTIPLE_OF"]
+__all__ = ["adapt", "runs_zero3", "before_training", "DEEPCOMPILE_PAD_TO_MULTIPLE_OF"]
 
 log = logging.getLogger("hf_zero3.trl")
 _DRAW_SCALE = 2**53
@@ -72,28 +72,21 @@ _ALIGNING = contextvars.ContextVar("hf_zero3_trl_aligning", default=None)
 DEEPCOMPILE_PAD_TO_MULTIPLE_OF = 128  # TRL's own choice on Neuron: fewer shapes than 64 (prompt x completion buckets)
 
 
-def apply(trainer, zero3safe=None):
-    """Make ``trainer`` (a TRL trainer) safe under ZeRO-3; returns the names of what was adapted.
-
-    Without ``zero3safe`` a :class:`~hf_zero3.Zero3Safe` is created, bound to the trainer and
-    added as a callback (so ``apply(trainer)`` after construction equals passing
-    ``callbacks=[Zero3Safe()]``). Local: nothing is exchanged until the first adapted call.
-    Tool rounds of a vLLM trainer are left as they are (vLLM generates outside the ZeRO-3 group).
-    A trainer whose DeepSpeed config is not ZeRO-3 is left alone.
-    """
+def runs_zero3(trainer) -> bool:
+    """Whether ``trainer``'s DeepSpeed config is ZeRO-3 (a trainer that is not is left alone)."""
     from .._upstream.transformers import trainer_deepspeed_config
 
     stage = ((trainer_deepspeed_config(trainer) or {}).get("zero_optimization") or {}).get("stage")
     if stage != 3:
         log.info("hf_zero3.trl: %s does not run ZeRO-3; nothing to adapt", type(trainer).__name__)
-        return []
-    require("trl")
-    if zero3safe is None:
-        from ..trainer.callback import Zero3Safe
+    return stage == 3
 
-        zero3safe = Zero3Safe(trl=False)
-        zero3safe.bind(trainer, trainer.model)
-        trainer.add_callback(zero3safe)
+
+def adapt(trainer) -> list[str]:
+    """Adapt ``trainer`` (a TRL trainer under ZeRO-3, served by a ``Zero3Safe``); returns the names
+    of what was adapted. Local: nothing is exchanged until the first adapted call. Tool rounds of a
+    vLLM trainer are left as they are (vLLM generates outside the ZeRO-3 group)."""
+    require("trl")
     adapted = []
     patches.install(
         "trl.models.utils.add_hooks: not on DeepCompile engines",

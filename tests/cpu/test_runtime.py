@@ -152,7 +152,7 @@ def test_two_data_parallel_groups_agree_over_their_own_group_only():
 def _hook_tables_around_suspension():
     import deepspeed
 
-    from hf_zero3 import zero3
+    from hf_zero3 import runtime
     from hf_zero3._upstream import deepspeed as ds_up
     from hf_zero3.testing import models, strict_zero3_config
 
@@ -166,7 +166,7 @@ def _hook_tables_around_suspension():
     has_ds = all(any(k in ids for k in m._forward_pre_hooks) for m in (mixed, alone))
     user = mixed.register_forward_pre_hook(lambda m, a: None)
     before = [[list(t) for _, t in ds_up.module_hook_dicts(m)] for m in mods]
-    with zero3.zero3_hooks_suspended(engine) as live:
+    with runtime.zero3_hooks_suspended(engine) as live:
         inside_ds = sum(k in ids for m in mods for _, t in ds_up.module_hook_dicts(m) for k in t)
         inside_user = user.id in mixed._forward_pre_hooks
         user.remove()  # removed meanwhile: stays removed
