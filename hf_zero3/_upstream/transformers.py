@@ -7,6 +7,7 @@ transformers 5.x goes through; the Trainer callback finds its ``Trainer`` from t
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 CHECKED = "transformers 5.23.0"
@@ -38,6 +39,47 @@ SAMPLE_PARAMS = (
     "streamer",
     "model_kwargs",
 )
+
+
+#: Every private GenerationMixin method ``Zero3GenerationMixin`` overrides (the contract test
+#: holds the mixin to this list and each method to its signature).
+OVERRIDDEN = GENERATION_HOOKS + ENCODER_HOOKS + (COMPILE_HOOK, SAMPLE_HOOK)
+
+
+def is_generation_model(module) -> bool:
+    """A transformers generation model: it has ``GenerationMixin``'s loop condition."""
+    return hasattr(module, "_has_unfinished_sequences")
+
+
+def can_compile_fullgraph(model) -> bool:
+    """transformers marks the model's forward compileable into one graph (``_can_compile_fullgraph``)."""
+    return bool(getattr(model, "_can_compile_fullgraph", False))
+
+
+def supports_attention_backend(model) -> bool:
+    """The model looks its attention function up by name (transformers' attention interface)."""
+    return bool(getattr(model, "_supports_attention_backend", False))
+
+
+def attention_implementation(config) -> str | None:
+    """The name the model looks its attention function up by (``config._attn_implementation``)."""
+    return getattr(config, "_attn_implementation", None)
+
+
+@contextlib.contextmanager
+def attention_implementation_set(config, name: str):
+    """Inside: the model of ``config`` attends with the function registered as ``name``."""
+    before = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
+def pad_token_tensor(generation_config):
+    """The pad token ``generate()`` prepared on the config (``_pad_token_tensor``; None if unset)."""
+    return getattr(generation_config, "_pad_token_tensor", None)
 
 
 def register_attention(name: str, attention) -> None:

@@ -30,6 +30,8 @@ import math
 
 import torch
 
+from .._upstream import transformers as hf_up
+
 __all__ = ["DECODE_MODES", "resolve", "prepare", "graph_count", "region_allows"]
 
 DECODE_MODES = ("auto", "eager", "compiled")
@@ -83,7 +85,7 @@ def resolve(model, mode: str, kwargs: dict, deepcompile: bool = False) -> tuple[
         # TRL's GRPO sets it on its generation config to keep transformers from compiling by
         # itself; decode="compiled" is an explicit request and overrides it
         reason = "disable_compile=True (decode='compiled' overrides it)"
-    elif not getattr(model, "_can_compile_fullgraph", False):
+    elif not hf_up.can_compile_fullgraph(model):
         reason = f"transformers does not mark {type(model).__name__} compileable (_can_compile_fullgraph)"
     elif mode == "auto" and deepcompile:
         reason = "decode='auto' does not compile decoding beside DeepCompile's graphs (decode='compiled' forces it)"

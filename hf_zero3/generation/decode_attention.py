@@ -98,7 +98,7 @@ def applies(model) -> bool:
     and plain softmax attention: no logit soft-capping (Gemma 2/3) and no attention sinks
     (gpt-oss), which transformers' own functions compute and this one does not."""
     cfg = getattr(model, "config", None)
-    if cfg is None or not getattr(model, "_supports_attention_backend", False) or getattr(cfg, "sub_configs", None):
+    if cfg is None or not hf_up.supports_attention_backend(model) or getattr(cfg, "sub_configs", None):
         return False
     if getattr(cfg, "attn_logit_softcapping", None) is not None:
         return False
@@ -106,7 +106,7 @@ def applies(model) -> bool:
         return False
     heads, kv = getattr(cfg, "num_attention_heads", None), getattr(cfg, "num_key_value_heads", None)
     return (
-        getattr(cfg, "_attn_implementation", None) in _REPLACES
+        hf_up.attention_implementation(cfg) in _REPLACES
         and isinstance(heads, int)
         and isinstance(kv, int)
         and kv < heads
@@ -143,13 +143,8 @@ def use(model, name: str | None = NAME):
         hf_up.register_attention(NAME, attention)
         hf_up.register_attention(KERNEL, kernel_attention)
         _REGISTERED = True
-    cfg = model.config
-    before = cfg._attn_implementation
-    cfg._attn_implementation = name
-    try:
+    with hf_up.attention_implementation_set(model.config, name):
         yield
-    finally:
-        cfg._attn_implementation = before
 
 
 # -- the rotary embedding and the cache write inside the kernel ------------------------------------

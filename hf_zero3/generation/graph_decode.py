@@ -417,7 +417,7 @@ class _Loop:
         # its rows are done there, as transformers' MaxLengthCriteria has them
         lengths = [c.max_length for c in stopping_criteria or () if type(c).__name__ == "MaxLengthCriteria"]
         self.own.fill_(min([budget] + [int(n) - p for n in lengths]))
-        pad = generation_config._pad_token_tensor
+        pad = hf_up.pad_token_tensor(generation_config)
         self.pad.copy_((pad if pad is not None else torch.tensor(0)).flatten()[0])
         self.out[:, :budget].fill_(self.pad)
         self.alive.fill_(True)

@@ -543,7 +543,7 @@ def base_module(obj) -> nn.Module:
 
 
 def is_generation_model(module: nn.Module) -> bool:
-    return hasattr(module, "_has_unfinished_sequences")
+    return hf_up.is_generation_model(module)
 
 
 def _generating_model(obj) -> nn.Module:

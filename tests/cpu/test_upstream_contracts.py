@@ -515,3 +515,40 @@ def test_static_cache_counters_are_made_on_the_device_before_the_prompt_forward(
         assert layer.cumulative_length.device.type == "meta" and layer.cumulative_length.shape == n.shape
     assert cache.layers[2].cumulative_length is before[2]
     assert hf_up.static_cache_counters_on(cache, torch.device("meta")) == 0  # already there
+
+
+def test_lockstep_overrides_only_the_private_generation_methods_upstream_lists():
+    """Zero3GenerationMixin's private overrides are exactly hf_zero3._upstream.transformers.OVERRIDDEN,
+    and each still exists on GenerationMixin (one of the two encoder hooks) with the same parameters."""
+    from transformers.generation.utils import GenerationMixin
+
+    from hf_zero3.generation.lockstep import Zero3GenerationMixin
+
+    own = {n for n in vars(Zero3GenerationMixin) if n.startswith("_") and not n.startswith("__")}
+    assert own == set(hf_up.OVERRIDDEN), own ^ set(hf_up.OVERRIDDEN)
+    present = [n for n in hf_up.OVERRIDDEN if hasattr(GenerationMixin, n)]
+    assert set(hf_up.OVERRIDDEN) - set(present) <= set(hf_up.ENCODER_HOOKS) and len(present) >= len(own) - 1
+    for name in present:
+        ours, theirs = getattr(Zero3GenerationMixin, name), getattr(GenerationMixin, name)
+        takes_all = any(p.kind == p.VAR_POSITIONAL for p in inspect.signature(ours).parameters.values())
+        if not takes_all:  # an override spelling out its parameters spells out transformers' own
+            assert list(inspect.signature(ours).parameters)[:2] == list(inspect.signature(theirs).parameters)[:2], name
+
+
+def test_transformers_model_and_config_accessors():
+    from transformers import GenerationConfig
+
+    from hf_zero3.testing import models
+
+    model = models.plain_model(models.tiny_llama_config(attn_implementation="sdpa"))
+    assert hf_up.is_generation_model(model) and not hf_up.is_generation_model(model.model)
+    assert hf_up.can_compile_fullgraph(model) and hf_up.supports_attention_backend(model)
+    assert hf_up.attention_implementation(model.config) == "sdpa"
+    with hf_up.attention_implementation_set(model.config, "eager"):
+        assert hf_up.attention_implementation(model.config) == "eager"
+    assert hf_up.attention_implementation(model.config) == "sdpa"
+    cfg = GenerationConfig(pad_token_id=3)
+    assert hf_up.pad_token_tensor(cfg) is None  # generate() prepares it
+    model.generation_config.pad_token_id = 0
+    model._prepare_special_tokens(model.generation_config, kwargs_has_attention_mask=True)
+    assert int(hf_up.pad_token_tensor(model.generation_config)) == 0
