@@ -201,6 +201,36 @@ def _context(method: str):
     return ctx
 
 
+def _compile_one_rank_at_a_time(lock_path: str) -> None:
+    """CPU ranks of one run compile with inductor one at a time (a file lock around
+    ``torch._inductor.compile_fx.compile_fx``, the entry ``torch.compile``'s inductor backend
+    calls). Ranks of a group trace the same graphs: the first compiles each one (C++ codegen and
+    a compiler run per kernel, the bulk of a CPU test's time) and writes inductor's on-disk caches,
+    the next finds it there instead of compiling it again at the same moment. Compiling runs no
+    collective, so a rank waiting for the lock holds up no other rank's collective; the lock is the
+    run's own, so two runs side by side still compile at once."""
+    import fcntl
+    import threading
+
+    from torch._inductor import compile_fx as module
+
+    inner, depth = module.compile_fx, threading.local()
+
+    def compile_fx(*args, **kwargs):
+        if getattr(depth, "n", 0):  # compile_fx calls itself (config patches): the lock is held
+            return inner(*args, **kwargs)
+        with open(lock_path, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            depth.n = 1
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                depth.n = 0
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    module.compile_fx = compile_fx
+
+
 def _rank_main(fn, rank, world_size, port, workdir, args, kwargs, pg_timeout, backend, init, env, capture):
     """``env`` is the caller's whole environment at launch (plus the run's ``env``): a forked
     rank would otherwise see the fork server's, taken when it started."""
@@ -235,6 +265,7 @@ def _rank_main(fn, rank, world_size, port, workdir, args, kwargs, pg_timeout, ba
         import torch
 
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 1))
+        _compile_one_rank_at_a_time(os.path.join(workdir, "compile.lock"))
     if backend == "nccl":
         import torch
 

@@ -25,7 +25,9 @@ def _static_loop_batches_rank():
     rank = dist.get_rank()
     engine, ref = build_engine(hf_aware=False)
     sc = find_eos_scenario(ref)
-    rows = [sc.early[0][0], sc.late[0], sc.late[1][:2]] if rank == 0 else [sc.late[2], sc.early[0][0][:3]]
+    # three rows on each rank: one batch size, so the ranks compile the same graphs (one compiles
+    # them, the other reads inductor's cache: hf_zero3.testing.run_ranks)
+    rows = [sc.early[0][0], sc.late[0], sc.late[1][:2]] if rank == 0 else [sc.late[2], sc.early[0][0][:3], sc.late[1]]
     width = max(len(r) for r in rows)
     ids = torch.tensor([[0] * (width - len(r)) + list(r) for r in rows])  # left padding, as TRL pads prompts
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
