@@ -82,6 +82,76 @@ def pad_token_tensor(generation_config):
     return getattr(generation_config, "_pad_token_tensor", None)
 
 
+#: The transformers functions the fast decode path computes itself (hf_zero3.generation.families),
+#: each with the fingerprint of its source (:func:`source_fingerprint`) in the releases it was
+#: checked against: transformers 5.17.0 and 5.23.0 (the same for all of them). A function whose
+#: source differs falls back to the model's own code.
+CHECKED_SOURCES = {
+    "transformers.models.llama.modeling_llama.LlamaAttention.forward": "6cc040820685adbf",
+    "transformers.models.llama.modeling_llama.apply_rotary_pos_emb": "d7bb227c70940011",
+    "transformers.models.llama.modeling_llama.rotate_half": "b59dbfffe0eeb84b",
+    "transformers.models.llama.modeling_llama.LlamaMLP.forward": "4a9e0f851f1aaf4d",
+    "transformers.models.mistral.modeling_mistral.MistralMLP.forward": "4a9e0f851f1aaf4d",
+    "transformers.models.qwen2.modeling_qwen2.Qwen2MLP.forward": "4a9e0f851f1aaf4d",
+    "transformers.models.qwen3.modeling_qwen3.Qwen3MLP.forward": "4a9e0f851f1aaf4d",
+}
+
+
+def upstream_function(path: str):
+    """The function at dotted ``path`` (``module.Class.function`` or ``module.function``), or None
+    where this transformers has none."""
+    import importlib
+
+    parts = path.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr, None)
+        return obj
+    return None
+
+
+def source_fingerprint(fn) -> str:
+    """A hash of ``fn``'s code as the parser reads it: comments, formatting, its docstring, its
+    decorators and its name left out, so that only a change of what it computes changes it."""
+    import ast
+    import hashlib
+    import inspect
+    import textwrap
+
+    node = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
+    body = node.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
+        body = body[1:]  # the docstring
+    node.body, node.decorator_list, node.name = body or [ast.Pass()], [], "f"
+    return hashlib.sha256(ast.unparse(node).encode()).hexdigest()[:16]
+
+
+_FINGERPRINTS: dict = {}  # function object -> its fingerprint (a patched function is another object)
+
+
+def unchecked_reason(path: str) -> str | None:
+    """Why the function at ``path`` (a :data:`CHECKED_SOURCES` key) cannot be replaced by hf_zero3's
+    computation (None: it is the source that was checked)."""
+    fn = upstream_function(path)
+    short = path.rpartition(".models.")[2]
+    if fn is None:
+        return f"transformers has no {short}"
+    try:
+        got = _FINGERPRINTS.get(fn) or _FINGERPRINTS.setdefault(fn, source_fingerprint(fn))
+    except (OSError, TypeError, SyntaxError) as exc:  # no source to read (a C function, a REPL)
+        return f"the source of {short} cannot be read ({type(exc).__name__})"
+    if got != CHECKED_SOURCES[path]:
+        return (
+            f"{short} is not the code hf_zero3 was checked against (fingerprint {got}, checked "
+            f"{CHECKED_SOURCES[path]}: {CHECKED}); the model's own code runs there"
+        )
+    return None
+
+
 def register_attention(name: str, attention) -> None:
     """Register ``attention`` under ``name``, with transformers' SDPA mask (a boolean mask, True
     where a query may attend) as its mask function: a model of transformers' attention interface

@@ -30,7 +30,7 @@ import torch
 from .._upstream import torch as torch_up
 from .._upstream import transformers as hf_up
 from ..kernels import decode_gemm, gqa_decode
-from . import fused_projections
+from . import families, fused_projections
 
 __all__ = [
     "NAME",
@@ -194,19 +194,12 @@ def _llama_rotary_forwards() -> tuple:
     return (LlamaRotaryEmbedding.forward,)
 
 
-def _llama_forwards() -> tuple:
-    """The attention forwards whose decode step :func:`_rope_forward` computes: transformers'
-    Llama attention (query/key/value projections, rotate-half rotary embedding, a cache update,
-    the attention interface without extra arguments, ``o_proj``), and subclasses that keep it."""
-    try:
-        from transformers.models.llama.modeling_llama import LlamaAttention
-    except ImportError:
-        return ()
-    return (LlamaAttention.forward,)
-
-
 def _rope_module(m) -> bool:
-    if type(m).forward not in _llama_forwards() or not torch_up.runs_class_forward(m):
+    """``m`` runs an attention forward :func:`_rope_forward` computes (transformers' Llama
+    attention: query/key/value projections, rotate-half rotary embedding, a cache update, the
+    attention interface without extra arguments, ``o_proj``; a subclass that keeps it), as the
+    source checked (:func:`.families.rope_forwards`), with the shapes the kernel takes."""
+    if type(m).forward not in families.rope_forwards() or not torch_up.runs_class_forward(m):
         return False
     projs = [getattr(m, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
     if any(not isinstance(p, torch.nn.Linear) for p in projs) or not isinstance(getattr(m, "layer_idx", None), int):

@@ -14,7 +14,8 @@ consumes them (the residual add and the next norm): no reduction kernel of its o
 cuBLAS's split-K down launches one.
 
 hf_zero3's static loop uses it for its decode steps only (at most 64 rows), on CUDA, for MLP
-modules of the classes below whose three projections are plain bias-free ``nn.Linear`` layers
+modules that run a family's checked MLP forward (:mod:`.families`: Llama, Mistral, Qwen2, Qwen3)
+whose three projections are plain bias-free ``nn.Linear`` layers
 with a SiLU activation, without hooks or patched forwards (a LoRA layer, a quantized linear keep
 the model's own MLP), and for the plain bias-free ``o_proj`` layers of attention modules. It reads
 the gathered weights in place: no copy. ``DecodeOptions(triton_mlp=False)`` turns all of it off,
@@ -33,11 +34,10 @@ from torch import nn
 
 from .._upstream import torch as torch_up
 from ..kernels import decode_gemm
+from . import families
 
-__all__ = ["CLASSES", "plan", "bind", "use", "applies", "applies_split"]
+__all__ = ["plan", "bind", "use", "applies", "applies_split"]
 
-# MLP classes whose forward is down_proj(act_fn(gate_proj(x)) * up_proj(x))
-CLASSES = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
 _FORWARDS: "weakref.WeakKeyDictionary[nn.Module, object]" = weakref.WeakKeyDictionary()
 
 
@@ -53,8 +53,9 @@ def _plain_linear(m) -> bool:
 
 
 def applies(mlp: nn.Module) -> bool:
-    """``mlp`` is one of :data:`CLASSES` with plain projections and a SiLU activation."""
-    if type(mlp).__name__ not in CLASSES or not torch_up.runs_class_forward(mlp):
+    """``mlp`` runs a family's checked MLP forward (:func:`.families.mlp_forwards`) with plain
+    projections and a SiLU activation."""
+    if type(mlp).forward not in families.mlp_forwards() or not torch_up.runs_class_forward(mlp):
         return False
     gate, up, down = (getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj"))
     if not all(_plain_linear(m) for m in (gate, up, down)):

@@ -65,7 +65,7 @@ from .._upstream import torch as torch_up
 from .._upstream import transformers as hf_up
 from ..kernels import decode_gemm
 from ..options import DecodeOptions
-from . import decode_attention, decode_mlp, fused_projections
+from . import decode_attention, decode_mlp, families, fused_projections
 
 __all__ = ["GRAPH_SAFE_PROCESSORS", "GRAPH_SAFE_CRITERIA", "unsupported", "decode", "failure", "release"]
 
@@ -822,5 +822,6 @@ def decode(
         qkv_partials=bool(loop.qkv and loop.fused_layers and loop.rope_layers and loop.compiled),
         prefill=prefill,
         prefill_reason=_PREFILL_FAILED.get(model),
+        decode_fallbacks=families.fallbacks(model),
     )
     return out

@@ -145,6 +145,7 @@ class LockstepStats:
     qkv_partials: bool = False  # fused q/k/v ran split-K, the rope kernel summed it (DecodeOptions.triton_qkv)
     prefill: str | None = None  # the static loop's prompt forward: "compiled" or "eager" (None: not its loop)
     prefill_reason: str | None = None  # why it ran eagerly (None: compiled, or compile_prefill=False)
+    decode_fallbacks: tuple[str, ...] = ()  # parts of the model family's fast path left to its own code, and why
 
 
 class _Call:
@@ -278,6 +279,7 @@ class _Call:
         qkv_partials: bool = False,
         prefill: str | None = None,
         prefill_reason: str | None = None,
+        decode_fallbacks: tuple[str, ...] = (),
     ) -> None:
         """hf_zero3's static loop ran ``forwards`` forwards (see :mod:`.graph_decode`)."""
         if self.rt.join is not None:
@@ -297,6 +299,7 @@ class _Call:
         self.stats.dependent_launches = dependent_launches
         self.stats.qkv_partials = qkv_partials
         self.stats.prefill, self.stats.prefill_reason = prefill, prefill_reason
+        self.stats.decode_fallbacks = decode_fallbacks
         if not compiled:
             self.stats.decode = "eager"
             self.stats.decode_reason = graph_decode.failure(self.model)

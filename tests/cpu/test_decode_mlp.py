@@ -133,10 +133,13 @@ def test_which_mlps_it_takes_and_use_restores_them(monkeypatch):
     assert not decode_mlp.applies(mlp)
     mlp.act_fn = torch.nn.SiLU()
     assert decode_mlp.applies(mlp)
-    other = type("MyMLP", (type(mlp),), {})  # a class of the user's: its forward may differ
-    mlp.__class__ = other
+    keeps = type("MyMLP", (type(mlp),), {})  # a class of the user's that keeps the checked forward
+    mlp.__class__ = keeps
+    assert decode_mlp.applies(mlp)
+    overrides = type("MyMLP", (type(mlp),), {"forward": lambda self, x: self.down_proj(self.up_proj(x))})
+    mlp.__class__ = overrides  # its own forward: its own code runs
     assert not decode_mlp.applies(mlp)
-    mlp.__class__ = other.__mro__[1]
+    mlp.__class__ = keeps.__mro__[1]
     bound = decode_mlp.bind(model, names)
     assert len(bound) == 2 and bound[0] is mlp
     with pytest.raises(RuntimeError, match="inside"):

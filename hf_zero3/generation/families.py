@@ -1,0 +1,74 @@
+"""Model families whose code the fast decode path computes itself, keyed by transformers'
+``config.model_type``.
+
+A family names the transformers functions a decode step replaces: the MLP forward
+(:mod:`.decode_mlp`: the gate/up GEMM with SiLU, down split-K) and, for Llama, the attention forward
+with its rotary embedding (:mod:`.decode_attention`'s rope kernel). A replacement is taken only
+where the module runs that very function (so a subclass that overrides it keeps its own) and the
+function is the source hf_zero3 was checked against (``_upstream.transformers.CHECKED_SOURCES``):
+a transformers release that changes what it computes makes the part fall back to the model's own
+code, with the reason in ``hf_zero3_last_generate.decode_fallbacks``, instead of running the old
+math. Everything else of the decode path (static buffers, compiled step, fused q/k/v GEMM, the
+grouped-heads attention) works on any model through transformers' own interfaces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .._upstream import transformers as hf_up
+
+__all__ = ["Family", "FAMILIES", "mlp_forwards", "rope_forwards", "fallbacks"]
+
+_LLAMA = "transformers.models.llama.modeling_llama."
+
+
+@dataclass(frozen=True)
+class Family:
+    """What the decode path replaces in one model family (dotted paths of transformers functions)."""
+
+    model_type: str
+    mlp: tuple[str, ...] = ()  # MLP forwards computed as down(silu(gate(x)) * up(x))
+    rope_attention: tuple[str, ...] = ()  # attention forward + the rotary helpers it calls
+
+
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        Family(
+            "llama",
+            mlp=(_LLAMA + "LlamaMLP.forward",),
+            rope_attention=(_LLAMA + "LlamaAttention.forward", _LLAMA + "apply_rotary_pos_emb", _LLAMA + "rotate_half"),
+        ),
+        Family("mistral", mlp=("transformers.models.mistral.modeling_mistral.MistralMLP.forward",)),
+        Family("qwen2", mlp=("transformers.models.qwen2.modeling_qwen2.Qwen2MLP.forward",)),
+        Family("qwen3", mlp=("transformers.models.qwen3.modeling_qwen3.Qwen3MLP.forward",)),
+    )
+}
+
+
+def _checked(paths: tuple[str, ...]) -> bool:
+    return all(hf_up.unchecked_reason(p) is None for p in paths)
+
+
+def mlp_forwards() -> tuple:
+    """The MLP forwards :mod:`.decode_mlp` may compute (every family's that is the checked source)."""
+    return tuple(hf_up.upstream_function(p) for f in FAMILIES.values() for p in f.mlp if _checked((p,)))
+
+
+def rope_forwards() -> tuple:
+    """The attention forwards the rope kernel may compute (with their rotary helpers checked too)."""
+    return tuple(
+        hf_up.upstream_function(f.rope_attention[0])
+        for f in FAMILIES.values()
+        if f.rope_attention and _checked(f.rope_attention)
+    )
+
+
+def fallbacks(model) -> tuple[str, ...]:
+    """Why parts of ``model``'s family fall back to its own code (empty: none, or not a family)."""
+    family = FAMILIES.get(getattr(getattr(model, "config", None), "model_type", None))
+    if family is None:
+        return ()
+    reasons = (hf_up.unchecked_reason(p) for p in family.mlp + family.rope_attention)
+    return tuple(dict.fromkeys(r for r in reasons if r is not None))
