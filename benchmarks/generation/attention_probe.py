@@ -10,7 +10,11 @@ cache filled up to position 128, batch 64 and 8. Each measurement is a CUDA grap
 16 distinct caches (as the 16 layers of a step: the caches stream from HBM, not L2), replayed 20
 times; microseconds per call. Each fused row is checked against the unfused output.
 Rows with left padding (row i's first ``i % 32`` positions masked, as a batch of prompts of
-divergent lengths) next to rows without. ``ATTENTION_PROBE_BASELINE=<path to another version of
+divergent lengths) next to rows without. Where ``flashinfer`` imports, its batch-decode attention
+(``BatchDecodeWithPagedKVCacheWrapper``, the same caches as one page per row in HND layout, CUDA
+graph mode, with and without tensor cores) runs beside ``gqa_decode_attention`` on the written caches
+(attention alone: FlashInfer's decode takes no per-position mask, so unpadded rows only).
+``ATTENTION_PROBE_BASELINE=<path to another version of
 hf_zero3/kernels/gqa_decode.py>`` adds that version's fused kernel at the same settings (its ops
 registered under another namespace), so a change to the kernel is measured against the old one in
 the same run. A maintainer's tool for the kernel's launch settings; rows go to
@@ -55,6 +59,66 @@ def _baseline():
     exec(compile(src, path, "exec"), mod.__dict__)
     mod.load()
     return mod
+
+
+def _attention_only(batch, q, caches, keep, timed):
+    """Attention over the written caches alone: ``gqa_decode_attention`` (the baseline of this group)
+    against FlashInfer's batch decode where it imports; the outputs must agree."""
+    import torch
+
+    from hf_zero3.kernels import gqa_decode
+
+    dev, n = q.device, POS + 1
+    qs = q.view(batch, 1, HEADS, DIM).transpose(1, 2)
+
+    def ours(i):
+        kc, vc, _ = caches[i % LAYERS]
+        return gqa_decode.gqa_decode_attention(qs, kc[:, :, :n], vc[:, :, :n], keep, DIM**-0.5).view(batch, HEADS, DIM)
+
+    us, ref = timed(ours, LAYERS)
+    out = [dict(batch=batch, padded=False, impl="gqa_decode_attention", cfg="", us=us, ok=True, attention_only=True)]
+    print(json.dumps(out[-1]), flush=True)
+    try:
+        import flashinfer
+    except Exception as exc:  # not installed, or its import fails on this host
+        missing = f"no flashinfer: {exc!r}"[:160]
+        out.append(dict(batch=batch, padded=False, impl="flashinfer", cfg="", us=None, ok=missing, attention_only=True))
+        return out
+    for cores in (False, True):
+        name = f"flashinfer {flashinfer.__version__} BatchDecodeWithPagedKVCacheWrapper"
+        cfg = f"use_tensor_cores={cores}"
+        try:
+            work = torch.zeros(128 << 20, dtype=torch.uint8, device=dev)
+            indptr = torch.arange(batch + 1, dtype=torch.int32, device=dev)
+            pages = torch.arange(batch, dtype=torch.int32, device=dev)
+            last = torch.full((batch,), n, dtype=torch.int32, device=dev)
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                work,
+                "HND",
+                use_cuda_graph=True,
+                use_tensor_cores=cores,
+                paged_kv_indptr_buffer=indptr,
+                paged_kv_indices_buffer=pages,
+                paged_kv_last_page_len_buffer=last,
+            )
+            wrapper.plan(indptr, pages, last, HEADS, KV, DIM, LENGTH, q_data_type=q.dtype, kv_data_type=q.dtype)
+            qf = q.view(batch, HEADS, DIM)
+
+            def theirs(i):
+                kc, vc, _ = caches[i % LAYERS]
+                return wrapper.run(qf, (kc, vc))
+
+            us, outs = timed(theirs, LAYERS)
+        except Exception as exc:  # JIT build or launch failure on this host
+            failed = f"{type(exc).__name__}: {str(exc)[:200]}"
+            out.append(dict(batch=batch, padded=False, impl=name, cfg=cfg, us=None, ok=failed, attention_only=True))
+            print(json.dumps(out[-1]), flush=True)
+            continue
+        err = max((a.float() - b.float()).abs().max().item() for a, b in zip(outs, ref))
+        row = dict(batch=batch, padded=False, impl=name, cfg=cfg, us=us, ok=err <= 2e-2, err=err)
+        out.append(dict(row, attention_only=True))
+        print(json.dumps(out[-1]), flush=True)
+    return out
 
 
 def main():
@@ -165,10 +229,19 @@ def main():
                 err = max((a.float() - b.float()).abs().max().item() for a, b in zip(outs, ref))
                 rows.append(dict(batch=batch, padded=padded, impl=impl, cfg=str(cfg), us=us, ok=err <= 2e-2, err=err))
                 print(json.dumps(rows[-1]), flush=True)
+        if not padded:
+            rows += _attention_only(batch, q, caches, keep, timed)
         caches.clear()
         torch.cuda.empty_cache()
     for r in rows:
-        base = next(b for b in rows if (b["batch"], b["padded"]) == (r["batch"], r["padded"]) and b["cfg"] == "")
+        group = "attention only" if r.get("attention_only") else ""
+        base = next(
+            b
+            for b in rows
+            if (b["batch"], b["padded"]) == (r["batch"], r["padded"])
+            and b["cfg"] == ""
+            and (("attention only" if b.get("attention_only") else "") == group)
+        )
         r["speedup"] = base["us"] / r["us"] if r["us"] else None
         old = next(
             (
