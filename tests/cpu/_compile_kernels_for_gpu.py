@@ -33,7 +33,7 @@ def main():
         }
 
     attention = dict(KV=8, G=4, BLOCK_G=16, D=64, BLOCK_D=64, DV=64, BLOCK_DV=64, BLOCK=64, PRECISION="tf32", L=192)
-    plain = dict(PDL=False, PREFETCH=0)
+    plain = dict(PDL=False)
     cases = []
     # A direct launch types the Python-float scale fp32; inductor's call of a triton_op inside a
     # compiled graph types it fp64 (the GPU found a kernel that compiled only the first way)
@@ -124,9 +124,9 @@ def main():
             None,
         ),
     ]
-    # programmatic dependent launches (HF_ZERO3_PDL): the weights' L2 prefetch and grid dependency
-    # control must be in the code, and the launch attribute in the kernel's metadata
-    dependent = dict(PDL=True, PREFETCH=256)
+    # programmatic dependent launches (DecodeOptions.dependent_launches): grid dependency control
+    # must be in the code, and the launch attribute in the kernel's metadata
+    dependent = dict(PDL=True)
     cases += [
         (
             "decode_gate_up_silu dependent",
@@ -195,10 +195,9 @@ def main():
             elif pdl and not (
                 "griddepcontrol.wait" in ptx
                 and "griddepcontrol.launch_dependents" in ptx
-                and ("prefetch.global.L2" in ptx or not constants.get("PREFETCH"))
                 and compiled.metadata.launch_pdl
             ):
-                out[name] = "dependent launch: grid dependency control, prefetch or launch_pdl missing"
+                out[name] = "dependent launch: grid dependency control or launch_pdl missing"
             elif not pdl and ("griddepcontrol" in ptx or "prefetch.global" in ptx):
                 out[name] = "grid dependency control in a kernel not launched as a dependent"
             else:

@@ -65,7 +65,7 @@ def test_fused_projections_equal_the_models_own_eager_and_compiled(kind):
     assert all("forward" not in vars(getattr(attn, n)) for n in fp.NAMES)
 
 
-def test_what_is_left_alone_and_the_off_switch(monkeypatch):
+def test_what_is_left_alone():
     from peft import LoraConfig, get_peft_model
 
     from hf_zero3.generation import fused_projections as fp
@@ -80,8 +80,6 @@ def test_what_is_left_alone_and_the_off_switch(monkeypatch):
     del model.model.layers[1].self_attn.v_proj.forward
     lora = get_peft_model(_model(), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
     assert fp.plan(lora) == ()  # LoRA layers are not plain nn.Linear
-    monkeypatch.setenv("HF_ZERO3_FUSE_QKV", "0")
-    assert fp.plan(model) == ()
 
 
 class _Cross(nn.Module):
@@ -125,7 +123,7 @@ def test_forwards_are_restored_after_a_step_that_raised():
     fused.free()
 
 
-def test_layers_with_and_without_biases_and_the_switch_read_each_call(monkeypatch):
+def test_layers_with_and_without_biases():
     from hf_zero3.generation import fused_projections as fp
 
     model = _model()
@@ -142,8 +140,10 @@ def test_layers_with_and_without_biases_and_the_switch_read_each_call(monkeypatc
         with fused.use():
             got = model(input_ids=ids).logits
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-    monkeypatch.setenv("HF_ZERO3_FUSE_QKV", "0")  # a kept loop's plan stays; the next call's bind reads it
-    assert fused.bind(model) == 0 and fused.ptr == 0
+    fused.free()
+    assert fused.ptr == 0
+    off = fp.Fused(())  # the loop's plan with DecodeOptions(fuse_qkv=False): nothing to fuse
+    assert off.bind(model) == 0 and off.ptr == 0
 
 
 def test_the_parts_are_views_of_one_gemm_not_copies():
