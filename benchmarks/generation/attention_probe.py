@@ -125,7 +125,7 @@ def main():
     import torch
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from hf_zero3.generation.decode_attention import kernel_attention
+    from hf_zero3.decode.gqa_attention import kernel_attention
     from hf_zero3.kernels import gqa_decode
 
     if not torch.cuda.is_available() or gqa_decode.load() is None:

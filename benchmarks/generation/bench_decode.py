@@ -152,6 +152,7 @@ def rank_main(partial: str):
             dist.all_reduce(tot)
             stats = module.hf_zero3_last_generate if name.startswith("hf_zero3") or name == "layerwise" else None
             ours = stats if name.startswith("hf_zero3") else None  # the static loop's own fields
+            report = getattr(ours, "decode_report", None)
             rows.append(
                 dict(
                     batch=batch,
@@ -168,13 +169,13 @@ def rank_main(partial: str):
                     capture_s_all=captures[1:] if ours is not None else None,
                     first_call_capture_s=first_capture,
                     graphs_reused=getattr(ours, "graphs_reused", None),
-                    attention=getattr(ours, "attention", None),
-                    fused_projections=getattr(ours, "fused_projections", None),
-                    mlp_kernels=getattr(ours, "mlp_kernels", None),
-                    split_k=getattr(ours, "split_k", None),
+                    attention=getattr(report, "attention", None),
+                    fused_projections=getattr(report, "fused_projections", None),
+                    mlp_kernels=getattr(report, "mlp_kernels", None),
+                    split_k=getattr(report, "split_k", None),
                     prefill=getattr(ours, "prefill", None),
-                    rope_attention=getattr(ours, "rope_attention", None),
-                    dependent_launches=getattr(ours, "dependent_launches", None),
+                    rope_attention=getattr(report, "rope_attention", None),
+                    dependent_launches=getattr(report, "dependent_launches", None),
                     same_tokens_both_calls=all(torch.equal(outs[0], o) for o in outs[1:]),
                     forwards=getattr(stats, "forwards", None),
                     compiles=getattr(stats, "compiles", None),

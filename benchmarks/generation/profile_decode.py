@@ -50,7 +50,7 @@ def rank_main():
     import torch
 
     import hf_zero3
-    from hf_zero3.generation import graph_decode as gd
+    from hf_zero3.decode import static_loop as gd
     from hf_zero3.testing import mark, models, strict_zero3_config
 
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -324,13 +324,13 @@ _LABELS = (
     ("hf_zero3.generation.lockstep", "_Call", "keep_going"),
     ("hf_zero3.generation.lockstep", "_Call", "finish_loop"),
     ("hf_zero3.gathering", None, "_decide"),
-    ("hf_zero3.generation.graph_decode", None, "_prefill"),
-    ("hf_zero3.generation.graph_decode", None, "_loop_for"),
-    ("hf_zero3.generation.graph_decode", "_Loop", "start"),
-    ("hf_zero3.generation.graph_decode", "_Loop", "result"),
-    ("hf_zero3.generation.graph_decode", "_Loop", "finished"),
-    ("hf_zero3.generation.graph_decode", "_Runner", "run"),
-    ("hf_zero3.generation.fused_projections", "Fused", "bind"),
+    ("hf_zero3.decode.static_loop", None, "_prefill"),
+    ("hf_zero3.decode.static_loop", None, "_loop_for"),
+    ("hf_zero3.decode.static_loop", "_Loop", "start"),
+    ("hf_zero3.decode.static_loop", "_Loop", "result"),
+    ("hf_zero3.decode.static_loop", "_Loop", "finished"),
+    ("hf_zero3.decode.static_loop", "_Runner", "run"),
+    ("hf_zero3.decode.fused_qkv", "Fused", "bind"),
     ("hf_zero3.generation.lockstep", "Zero3GenerationMixin", "generate"),
     ("hf_zero3.generation.lockstep", "Zero3GenerationMixin", "_sample"),
     ("deepspeed.runtime.zero.partition_parameters", "GatheredParameters", "__enter__"),
@@ -556,7 +556,7 @@ def _prefill_ops(hf_zero3, engine, ids) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from hf_zero3.generation import graph_decode as gd
+    from hf_zero3.decode import static_loop as gd
 
     own, seen = gd._prefill, {}
 

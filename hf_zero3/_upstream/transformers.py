@@ -26,7 +26,7 @@ ENCODER_HOOKS = ("_maybe_prepare_encoder_kwargs_for_generation", "_prepare_encod
 #: overrides it: compile only inside a whole-model region, see hf_zero3.generation.compiled_decode).
 COMPILE_HOOK = "_valid_auto_compile_criteria"
 #: transformers' sampling/greedy loop, and the arguments it is called with: lockstep's compiled
-#: decode takes it over with hf_zero3's static loop (hf_zero3.generation.graph_decode) and hands
+#: decode takes it over with hf_zero3's static loop (hf_zero3.decode.static_loop) and hands
 #: every case that loop cannot do exactly back to it.
 SAMPLE_HOOK = "_sample"
 SAMPLE_PARAMS = (
@@ -82,7 +82,7 @@ def pad_token_tensor(generation_config):
     return getattr(generation_config, "_pad_token_tensor", None)
 
 
-#: The transformers functions the fast decode path computes itself (hf_zero3.generation.families),
+#: The transformers functions the fast decode path computes itself (hf_zero3.decode.families),
 #: each with the fingerprint of its source (:func:`source_fingerprint`) in the releases it was
 #: checked against: transformers 5.17.0 and 5.23.0 (the same for all of them). A function whose
 #: source differs falls back to the model's own code.
@@ -156,7 +156,7 @@ def register_attention(name: str, attention) -> None:
     """Register ``attention`` under ``name``, with transformers' SDPA mask (a boolean mask, True
     where a query may attend) as its mask function: a model of transformers' attention interface
     (``_supports_attention_backend``) looks both up by ``config._attn_implementation`` (hf_zero3's
-    decode attention, hf_zero3.generation.decode_attention)."""
+    decode attention, hf_zero3.decode.gqa_attention)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 

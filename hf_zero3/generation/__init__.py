@@ -1,6 +1,6 @@
 """Lockstep generation under ZeRO-3 (see :mod:`hf_zero3.generation.lockstep`)."""
 
-from .graph_decode import release as release_decode_graphs
+from ..decode.static_loop import release as release_decode_graphs
 from .lockstep import STOP_MODES, LockstepConfig, LockstepStats, Zero3GenerationMixin, lockstep, lockstep_generate
 
 __all__ = [

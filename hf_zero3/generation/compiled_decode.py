@@ -20,7 +20,7 @@ agreed stops are transformers' and ours as in eager decoding; only the forward i
   parameters new storage of the same shape, which the compiled step's guards accept. A second
   batch size compiles once more (Dynamo marks the batch dimension dynamic); later sizes reuse it.
   ``hf_zero3_last_generate.compiles`` counts the Dynamo graphs a call compiled. Inside, hf_zero3's
-  static loop (:mod:`.graph_decode`) replaces transformers' per-token Python loop where it is exact.
+  static loop (:mod:`.static_loop`) replaces transformers' per-token Python loop where it is exact.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ later in the call is shared at the next agreement (the next stop check or the ca
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -34,11 +34,13 @@ from .. import runtime, zero3
 from .._upstream import deepspeed as ds_up
 from .._upstream import transformers as hf_up
 from .._upstream.versions import require
+from ..decode import static_loop
+from ..decode.features import DecodeReport
 from ..errors import RankDivergenceError, RankFailure
 from ..gathering import GATHER_MODES, EvalGatherMixin, gathered_forwards
 from ..options import DecodeOptions
 from ..runtime import runtime_of
-from . import compiled_decode, graph_decode
+from . import compiled_decode
 from .compiled_decode import DECODE_MODES
 
 __all__ = [
@@ -76,7 +78,7 @@ class LockstepConfig:
             this many tokens, so calls of other lengths in the bucket reuse the compiled step.
         graph_steps: compiled decoding on CUDA replays this many decode steps per CUDA-graph
             launch (between two stop agreements; 0: no CUDA graphs); see
-            :mod:`hf_zero3.generation.graph_decode`.
+            :mod:`hf_zero3.decode.static_loop`.
         decode_options: which parts of the compiled decode path to use
             (:class:`~hf_zero3.options.DecodeOptions`; None: every field from its ``HF_ZERO3_*``
             variable, else the measured best). Read inside each call, so a malformed variable on
@@ -132,20 +134,11 @@ class LockstepStats:
     loop_reason: str | None = None  # why compiled decoding kept transformers' loop
     graph_steps: int = 0  # decode steps per CUDA-graph launch (0: no CUDA graphs)
     graph_capture_s: float = 0.0  # host seconds the call spent capturing its CUDA graphs
-    loop_reused: bool = False  # the static loop's buffers came from an earlier call (see graph_decode)
+    loop_reused: bool = False  # the static loop's buffers came from an earlier call (see hf_zero3.decode.static_loop)
     graphs_reused: bool = False  # replayed CUDA graphs an earlier call captured (same parameters, cache, state)
-    attention: str | None = None  # the decode steps' attention where the static loop replaced the model's (GQA)
-    fused_projections: int = 0  # attention modules whose decode-step q/k/v projections ran as one GEMM
-    mlp_kernels: int = 0  # MLP modules whose decode steps ran through hf_zero3's Triton GEMMs
-    split_k: int = 0  # projections (down, o_proj) whose decode steps ran through the split-K GEMM
-    rope_attention: int = 0  # attention modules whose decode steps rotated, wrote the cache and attended in one kernel
-    dependent_launches: bool = (
-        False  # the decode steps' kernels were programmatic dependent launches (DecodeOptions.dependent_launches)
-    )
-    qkv_partials: bool = False  # fused q/k/v ran split-K, the rope kernel summed it (DecodeOptions.triton_qkv)
     prefill: str | None = None  # the static loop's prompt forward: "compiled" or "eager" (None: not its loop)
     prefill_reason: str | None = None  # why it ran eagerly (None: compiled, or compile_prefill=False)
-    decode_fallbacks: tuple[str, ...] = ()  # parts of the model family's fast path left to its own code, and why
+    decode_report: DecodeReport = field(default_factory=DecodeReport)  # the parts the static loop computed its way
 
 
 class _Call:
@@ -270,18 +263,11 @@ class _Call:
         capture_s: float = 0.0,
         loop_reused: bool = False,
         graphs_reused: bool = False,
-        attention: str | None = None,
-        fused_projections: int = 0,
-        mlp_kernels: int = 0,
-        split_k: int = 0,
-        rope_attention: int = 0,
-        dependent_launches: bool = False,
-        qkv_partials: bool = False,
         prefill: str | None = None,
         prefill_reason: str | None = None,
-        decode_fallbacks: tuple[str, ...] = (),
+        report: DecodeReport | None = None,
     ) -> None:
-        """hf_zero3's static loop ran ``forwards`` forwards (see :mod:`.graph_decode`)."""
+        """hf_zero3's static loop ran ``forwards`` forwards (see :mod:`.static_loop`)."""
         if self.rt.join is not None:
             done_at = 0  # a joining rank's rows are placeholders, done from the start
         self.stats.forwards = forwards
@@ -291,18 +277,11 @@ class _Call:
         self.stats.graph_capture_s = capture_s
         self.stats.loop_reused = loop_reused
         self.stats.graphs_reused = graphs_reused
-        self.stats.attention = attention
-        self.stats.fused_projections = fused_projections
-        self.stats.mlp_kernels = mlp_kernels
-        self.stats.split_k = split_k
-        self.stats.rope_attention = rope_attention
-        self.stats.dependent_launches = dependent_launches
-        self.stats.qkv_partials = qkv_partials
         self.stats.prefill, self.stats.prefill_reason = prefill, prefill_reason
-        self.stats.decode_fallbacks = decode_fallbacks
+        self.stats.decode_report = report if report is not None else DecodeReport()
         if not compiled:
             self.stats.decode = "eager"
-            self.stats.decode_reason = graph_decode.failure(self.model)
+            self.stats.decode_reason = static_loop.failure(self.model)
 
 
 class Zero3GenerationMixin:
@@ -433,7 +412,7 @@ class Zero3GenerationMixin:
         ):
             # either loop's prompt forward would move each static layer's fill count with a host sync
             hf_up.static_cache_counters_on(model_kwargs.get("past_key_values"), input_ids.device)
-            why = graph_decode.unsupported(
+            why = static_loop.unsupported(
                 self,
                 logits_processor,
                 stopping_criteria,
@@ -443,7 +422,7 @@ class Zero3GenerationMixin:
                 input_ids.shape[1] + int(call.budget),
             )
             if why is None:
-                return graph_decode.decode(
+                return static_loop.decode(
                     self,
                     call,
                     input_ids,

@@ -11,7 +11,7 @@ intermediate, no separate SiLU kernel). A weight with few output columns and a l
 with cuBLAS by ``benchmarks/generation/decode_gemm_probe.py`` (see the kernel probes and the
 ablations in benchmarks/RESULTS.md): the gate/up kernel beats cuBLAS + inductor's SiLU-mul, the
 plain GEMM does not and is not used; the decode step's MLP uses the gate/up kernel through
-:mod:`hf_zero3.generation.decode_mlp`.
+:mod:`hf_zero3.decode.mlp_kernels`.
 
 Programmatic dependent launch (:func:`load_dependent`; the decode loop's ``dependent_launches``
 option, on by default on Hopper): at decode shapes each GEMM is short (microseconds) and pays a ramp of its own;

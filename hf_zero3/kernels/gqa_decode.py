@@ -1,6 +1,6 @@
 """One Triton kernel for a grouped-query model's decode-step attention over a static KV cache.
 
-The PyTorch form in :mod:`hf_zero3.generation.decode_attention` is three kernels per layer under
+The PyTorch form in :mod:`hf_zero3.decode.gqa_attention` is three kernels per layer under
 ``torch.compile`` (the score GEMM, the masked softmax, the value GEMM) and reads every cache
 position, also those a static cache has not filled yet. This kernel is one
 launch per layer: a program per (row, key/value head) holds that head's group of query heads,
@@ -15,7 +15,7 @@ see the ablations in benchmarks/RESULTS.md): :func:`pays`.
 write inside (the query and the new key rotated in registers, the key and value stored at the
 cache's fill count, the new token's own score from registers, the positions before it from the
 cache): the decode steps of Llama attention modules take it where the kernel attends
-(:mod:`hf_zero3.generation.decode_attention`), instead of four small kernels per layer beside it.
+(:mod:`hf_zero3.decode.gqa_attention`), instead of four small kernels per layer beside it.
 
 Loaded lazily: :func:`is_available` is False without Triton or without ``torch.library.triton_op``
 (torch < 2.6); the caller then keeps the PyTorch form. Registered as the custom ops
@@ -607,7 +607,7 @@ def rope_decode_attention(
     >= length) padding mask (integer or boolean, nonzero attends; this kernel reads no position
     after the new token, so that is the causal mask too). Returns (batch, 1, heads, value dim). The
     caller advances the fill count and checks the shapes
-    (``hf_zero3.generation.decode_attention._rope_fits``: one token, whole head groups, an even
+    (``hf_zero3.decode.gqa_attention._rope_fits``: one token, whole head groups, an even
     head dim up to 256, :func:`supports`' masks or a padding mask). ``dependent``: launched as a
     programmatic dependent launch (where
     :func:`hf_zero3.kernels.decode_gemm.dependent_unavailable` says it can be: the decode loop's

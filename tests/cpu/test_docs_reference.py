@@ -162,6 +162,7 @@ PUBLIC_MODULES = (
     "hf_zero3.accelerate",
     "hf_zero3.compile",
     "hf_zero3.generation",
+    "hf_zero3.decode",
     "hf_zero3.errors",
 )
 
@@ -327,7 +328,7 @@ def test_every_package_exception_is_a_heading():
 #: (file, functions) whose returned / assigned reason strings users see in hf_zero3_last_generate
 REASON_SOURCES = (
     ("generation/compiled_decode.py", ("resolve", "region_allows")),
-    ("generation/graph_decode.py", ("unsupported", "step", "_prefill")),
+    ("decode/static_loop.py", ("unsupported", "step", "_prefill")),
     ("generation/lockstep.py", ("_valid_auto_compile_criteria",)),
 )
 _REASON_TARGETS = {"reason", "why"}

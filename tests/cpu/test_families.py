@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_zero3._upstream import transformers as hf_up
-from hf_zero3.generation import decode_attention, decode_mlp, families
+from hf_zero3.decode import families, gqa_attention, mlp_kernels
 
 
 @pytest.fixture()
@@ -42,13 +42,13 @@ def test_a_changed_mlp_forward_falls_back_to_the_models_own(model, monkeypatch):
     from transformers.models.llama.modeling_llama import LlamaMLP
 
     mlp = model.model.layers[0].mlp
-    assert decode_mlp.applies(mlp) and families.fallbacks(model) == ()
+    assert mlp_kernels.applies(mlp) and families.fallbacks(model) == ()
 
     def forward(self, x):  # a release that swaps gate and up: not what the kernel computes
         return self.down_proj(self.act_fn(self.up_proj(x)) * self.gate_proj(x))
 
     monkeypatch.setattr(LlamaMLP, "forward", forward)
-    assert not decode_mlp.applies(mlp)
+    assert not mlp_kernels.applies(mlp)
     (reason,) = families.fallbacks(model)
     assert "LlamaMLP.forward is not the code hf_zero3 was checked against" in reason
 
@@ -57,12 +57,12 @@ def test_a_changed_rotary_helper_turns_the_rope_kernel_off(model, monkeypatch):
     from transformers.models.llama import modeling_llama
 
     layers = model.config.num_hidden_layers
-    assert len(decode_attention.rope_plan(model, decode_attention.KERNEL)) == layers
+    assert len(gqa_attention.rope_plan(model, gqa_attention.KERNEL)) == layers
 
     def rotate_half(x):  # interleaved pairs instead of halves
         return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
 
     monkeypatch.setattr(modeling_llama, "rotate_half", rotate_half)
-    assert decode_attention.rope_plan(model, decode_attention.KERNEL) == ()
+    assert gqa_attention.rope_plan(model, gqa_attention.KERNEL) == ()
     assert any("rotate_half" in r for r in families.fallbacks(model))
-    assert decode_mlp.applies(model.model.layers[0].mlp)  # the MLP's source is unchanged
+    assert mlp_kernels.applies(model.model.layers[0].mlp)  # the MLP's source is unchanged

@@ -45,7 +45,7 @@ def _case(seed, batch, heads, kv, dim, length, dim_v=None):
     ],
 )
 def test_kernel_equals_the_pytorch_form(batch, heads, kv, dim, length, dim_v):
-    from hf_zero3.generation.decode_attention import attention
+    from hf_zero3.decode.gqa_attention import attention
     from hf_zero3.kernels import gqa_decode
 
     q, k, v, keep = _case(batch + length, batch, heads, kv, dim, length, dim_v)
@@ -92,21 +92,21 @@ def test_a_llama_decode_step_through_the_kernel_matches_its_own_attention():
     that cache: left padding, unfilled positions), equal the model's own."""
     from transformers import StaticCache
 
-    from hf_zero3.generation import decode_attention
+    from hf_zero3.decode import gqa_attention
     from hf_zero3.testing import models
 
     model = models.plain_model(models.tiny_llama_config())
-    assert decode_attention.applies(model)
+    assert gqa_attention.applies(model)
     ids = torch.tensor([[0, 0, 5, 6, 7, 8], [3, 4, 5, 6, 7, 9]])
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
     logits = {}
-    for name in (None, decode_attention.KERNEL):
+    for name in (None, gqa_attention.KERNEL):
         cache = StaticCache(config=model.config, max_cache_len=80)
         with torch.no_grad():
             model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
             step_mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
             positions = (step_mask.cumsum(-1) - 1)[:, -1:]
-            with decode_attention.use(model, name):
+            with gqa_attention.use(model, name):
                 out = model(
                     input_ids=torch.tensor([[11], [12]]),
                     attention_mask=step_mask,
@@ -115,13 +115,13 @@ def test_a_llama_decode_step_through_the_kernel_matches_its_own_attention():
                     use_cache=True,
                 )
         logits[name] = out.logits
-    torch.testing.assert_close(logits[decode_attention.KERNEL], logits[None], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits[gqa_attention.KERNEL], logits[None], rtol=1e-5, atol=1e-5)
 
 
 def test_the_kernel_is_chosen_where_it_has_a_program_per_sm(monkeypatch):
     """The kernel pays where it has at least one program per SM (batch 64: 512 programs on a
     132-SM H200); below that (batch 8: 64 programs) the PyTorch form is used."""
-    from hf_zero3.generation import decode_attention
+    from hf_zero3.decode import gqa_attention
     from hf_zero3.kernels import gqa_decode
     from hf_zero3.testing import models
 
@@ -129,9 +129,9 @@ def test_the_kernel_is_chosen_where_it_has_a_program_per_sm(monkeypatch):
     assert not gqa_decode.pays(8, 8) and gqa_decode.pays(64, 8)
     model = models.plain_model(models.tiny_llama_config())
     for kernel in ("auto", "always", "off"):  # the kernel is for CUDA
-        assert decode_attention.choice(model, "cpu", 64, kernel) == decode_attention.NAME
+        assert gqa_attention.choice(model, "cpu", 64, kernel) == gqa_attention.NAME
     mha = models.plain_model(models.tiny_llama_config(num_key_value_heads=4))
-    assert decode_attention.choice(mha, "cpu", 64) is None  # not grouped: the model's own attention
+    assert gqa_attention.choice(mha, "cpu", 64) is None  # not grouped: the model's own attention
 
 
 def test_masks_and_dtypes_it_does_not_take():
@@ -172,7 +172,7 @@ def test_rope_kernel_equals_rotary_cache_write_and_attention(batch, heads, kv, d
     static cache's index_copy at its fill count, and the grouped-heads attention over the cache."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from hf_zero3.generation.decode_attention import attention
+    from hf_zero3.decode.gqa_attention import attention
     from hf_zero3.kernels import gqa_decode
 
     q, k, v, cos, sin, kc, vc, keep = _rope_case(batch * 7 + pos, batch, heads, kv, dim, length, pos, cos_rows)
@@ -278,7 +278,7 @@ def test_llama_decode_steps_with_qkv_partials_match_the_fused_projection(monkeyp
     dtypes the partials take, which on a GPU are half precision only."""
     from transformers import StaticCache
 
-    from hf_zero3.generation import decode_attention, fused_projections
+    from hf_zero3.decode import fused_qkv, gqa_attention
     from hf_zero3.kernels import decode_gemm, gqa_decode
     from hf_zero3.testing import models
 
@@ -291,9 +291,9 @@ def test_llama_decode_steps_with_qkv_partials_match_the_fused_projection(monkeyp
         num_hidden_layers=1,
     )
     model = models.plain_model(cfg)
-    monkeypatch.setattr(fused_projections, "PARTIAL_DTYPES", (torch.float32,))
-    names = decode_attention.rope_plan(model, decode_attention.KERNEL)
-    fused = fused_projections.Fused(fused_projections.plan(model))
+    monkeypatch.setattr(fused_qkv, "PARTIAL_DTYPES", (torch.float32,))
+    names = gqa_attention.rope_plan(model, gqa_attention.KERNEL)
+    fused = fused_qkv.Fused(fused_qkv.plan(model))
     assert fused.bind(model) == 1
     split_op = decode_gemm.load()[2]  # the plain launch of the split-K kernel (dependent ones need a GPU)
     seen, real = [], gqa_decode.rope_decode_attention
@@ -304,16 +304,16 @@ def test_llama_decode_steps_with_qkv_partials_match_the_fused_projection(monkeyp
         cache = StaticCache(config=model.config, max_cache_len=16)
         with torch.no_grad():
             model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
-            bound = decode_attention.rope_bind(model, names, cache)
+            bound = gqa_attention.rope_bind(model, names, cache)
             whole = torch.ones(2, 16, dtype=mask.dtype)
             whole[:, :4] = mask
             logits = []
             for n, tok in enumerate(([[11], [12]], [[13], [14]])):
                 positions = (whole[:, : 5 + n].cumsum(-1) - 1)[:, -1:]
                 with (
-                    decode_attention.use(model, decode_attention.KERNEL),
+                    gqa_attention.use(model, gqa_attention.KERNEL),
                     fused.use(),
-                    decode_attention.rope_use(bound, whole, qkv=qkv),
+                    gqa_attention.rope_use(bound, whole, qkv=qkv),
                 ):
                     logits.append(
                         model(
@@ -324,18 +324,18 @@ def test_llama_decode_steps_with_qkv_partials_match_the_fused_projection(monkeyp
                             use_cache=True,
                         ).logits.float()
                     )
-                decode_attention.advance(bound, cache)
+                gqa_attention.advance(bound, cache)
         runs[qkv is None] = (logits, cache.layers[0].keys.float().clone(), cache.layers[0].values.float().clone())
-        assert decode_attention._STEP["qkv"] is None  # reset after the step
+        assert gqa_attention._STEP["qkv"] is None  # reset after the step
     assert seen == [3, 3, 4, 4]  # the projections' outputs, then partials (split, rows, heads, dim)
     (own, k1, v1), (ours, k2, v2) = runs[True], runs[False]
     for a, b in zip(ours, own):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(k2, k1, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(v2, v1, rtol=1e-4, atol=1e-4)
-    monkeypatch.setattr(fused_projections, "PARTIAL_DTYPES", (torch.float16, torch.bfloat16))
+    monkeypatch.setattr(fused_qkv, "PARTIAL_DTYPES", (torch.float16, torch.bfloat16))
     # float32 weights outside the test's widening: the projections' own GEMM
-    assert fused_projections.partials(model.model.layers[0].self_attn, torch.ones(2, 1, 1024), split_op, 2) is None
+    assert fused_qkv.partials(model.model.layers[0].self_attn, torch.ones(2, 1, 1024), split_op, 2) is None
     fused.free()
 
 
@@ -346,16 +346,16 @@ def test_llama_decode_steps_with_the_rope_kernel_match_its_own_attention(monkeyp
     logits, the cache contents and the fill counts of the model's own steps."""
     from transformers import StaticCache
 
-    from hf_zero3.generation import decode_attention
+    from hf_zero3.decode import gqa_attention
     from hf_zero3.testing import models
 
     model = models.plain_model(models.tiny_llama_config(attn_implementation="sdpa"))
-    names = decode_attention.rope_plan(model, decode_attention.KERNEL)
+    names = gqa_attention.rope_plan(model, gqa_attention.KERNEL)
     assert len(names) == model.config.num_hidden_layers
-    assert decode_attention.rope_plan(model, decode_attention.NAME) == ()  # only with the kernel
+    assert gqa_attention.rope_plan(model, gqa_attention.NAME) == ()  # only with the kernel
     ids = torch.tensor([[0, 0, 5, 6, 7, 8], [3, 4, 5, 6, 7, 9]])
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
-    rotaries = decode_attention.rope_rotaries(model)
+    rotaries = gqa_attention.rope_rotaries(model)
     assert len(rotaries) == 1  # the model's one rotary embedding
     from hf_zero3.kernels import gqa_decode
 
@@ -371,13 +371,13 @@ def test_llama_decode_steps_with_the_rope_kernel_match_its_own_attention(monkeyp
         whole[:, : mask.shape[1]] = mask
         with torch.no_grad():
             model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
-            bound = decode_attention.rope_bind(model, names, cache) if case != "own" else []
+            bound = gqa_attention.rope_bind(model, names, cache) if case != "own" else []
             assert len(bound) == (len(names) if case != "own" else 0)
             extra = dict(padding_mask=whole, rotaries=rotaries) if case == "padding" else {}
             for tok in ([[11], [12]], [[13], [14]]):
                 step_mask = torch.cat([step_mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
                 positions = (step_mask.cumsum(-1) - 1)[:, -1:]
-                with decode_attention.use(model, decode_attention.KERNEL), decode_attention.rope_use(bound, **extra):
+                with gqa_attention.use(model, gqa_attention.KERNEL), gqa_attention.rope_use(bound, **extra):
                     out = model(
                         input_ids=torch.tensor(tok),
                         attention_mask=whole if extra else step_mask,
@@ -385,10 +385,10 @@ def test_llama_decode_steps_with_the_rope_kernel_match_its_own_attention(monkeyp
                         past_key_values=cache,
                         use_cache=True,
                     )
-                decode_attention.advance(bound, cache)
+                gqa_attention.advance(bound, cache)
                 logits.append(out.logits)
         assert all("forward" not in vars(m) for m in bound + rotaries)  # unpatched after the step
-        assert decode_attention._STEP["padding"] is None
+        assert gqa_attention._STEP["padding"] is None
         assert masks == {"own": [], "fused": [4] * 2 * len(names), "padding": [2] * 2 * len(names)}[case]
         masks.clear()
         runs[case] = (

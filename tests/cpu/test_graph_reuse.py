@@ -8,9 +8,15 @@ from dataclasses import replace
 import pytest
 import torch
 
+from hf_zero3.decode import features
 from hf_zero3.options import DecodeOptions
 
 DEFAULTS = DecodeOptions().resolved({})  # the measured best, whatever the environment holds
+
+
+def _part(loop, kind):
+    """The loop's feature of class ``kind``."""
+    return next(f for f in loop.features if isinstance(f, kind))
 
 
 def _with(**changes) -> DecodeOptions:
@@ -33,10 +39,10 @@ def parts():
 
 
 def test_graphs_are_kept_only_while_the_cache_tensors_are_those_captured(parts):
-    from hf_zero3.generation import graph_decode as gd
+    from hf_zero3.decode import static_loop as gd
 
     model, cache, ids, _ = parts
-    loop = gd._Loop(2, 16, ids.device, None, False, False)
+    loop = gd._Loop(2, 16, ids.device, None, False)
     loop.cache = cache
     loop.bind_cache()
     loop.graphs[1] = "captured"
@@ -65,10 +71,10 @@ def test_graphs_are_kept_only_while_the_cache_tensors_are_those_captured(parts):
 def test_the_key_follows_parameters_state_hooks_and_processors(parts):
     from transformers.generation.logits_process import TemperatureLogitsWarper
 
-    from hf_zero3.generation import graph_decode as gd
+    from hf_zero3.decode import static_loop as gd
 
     model, cache, ids, cfg = parts
-    attention = gd.decode_attention.choice(model, ids.device, ids.shape[0])  # as _loop_for passes it
+    attention = gd.gqa_attention.choice(model, ids.device, ids.shape[0])  # as _loop_for passes it
     options = DecodeOptions().resolved({})
     procs = [TemperatureLogitsWarper(0.7)]
     key = gd._loop_key(model, ids, procs, cfg, None, cache, attention, options)
@@ -105,7 +111,7 @@ def test_the_key_follows_parameters_state_hooks_and_processors(parts):
 
 
 def test_loops_are_kept_per_shape_replaced_when_stale_and_released(parts):
-    from hf_zero3.generation import graph_decode as gd
+    from hf_zero3.decode import static_loop as gd
     from hf_zero3.generation import release_decode_graphs
 
     model, cache, ids, cfg = parts
@@ -124,7 +130,7 @@ def test_loops_are_kept_per_shape_replaced_when_stale_and_released(parts):
 
 
 def test_a_4d_attention_mask_keeps_transformers_loop(parts):
-    from hf_zero3.generation import graph_decode as gd
+    from hf_zero3.decode import static_loop as gd
 
     model, cache, ids, cfg = parts
     kwargs = {"past_key_values": cache, "attention_mask": torch.ones(2, 1, 3, 16, dtype=torch.bool)}
@@ -138,23 +144,23 @@ def test_dependent_launches_fall_back_quietly_by_default_and_say_why_when_asked(
     kernels programmatic dependent launches where the GPU can; here (no Hopper GPU) the loop
     launches as usual: silently at the default, with one log line saying why when ``"on"`` asks for
     it. The options are part of what a kept loop is for (another value builds a new loop)."""
-    from hf_zero3.generation import graph_decode as gd
+    from hf_zero3.decode import static_loop as gd
     from hf_zero3.generation import release_decode_graphs
     from hf_zero3.kernels import decode_gemm
 
     model, cache, ids, cfg = parts
     why = decode_gemm.dependent_unavailable("cpu")
     assert why is not None and ("NVIDIA GPU" in why or "interpreter" in why or "Triton" in why), why
-    gd._PDL_REFUSED.clear()
+    features._PDL_REFUSED.clear()
     with caplog.at_level("WARNING", logger="hf_zero3.generation"):
-        assert gd.dependent_launches("cpu") is False
+        assert features.dependent_launches("cpu") is False
         default, _ = gd._loop_for(model, ids, [], cfg, None, None, cache, DEFAULTS)
         assert default.dependent is False
         assert not [r for r in caplog.records if "dependent launches" in r.getMessage()]
-        assert gd.dependent_launches("cpu", "on") is False and gd.dependent_launches("cpu", "on") is False
+        assert features.dependent_launches("cpu", "on") is False and features.dependent_launches("cpu", "on") is False
     said = [r.getMessage() for r in caplog.records if "dependent launches" in r.getMessage()]
     assert len(said) == 1 and why in said[0], said
-    assert default.qkv is None  # the q/k/v partials ride on dependent launches
+    assert _part(default, features.RopeAttention).qkv is None  # the q/k/v partials ride on dependent launches
     off, kept = gd._loop_for(model, ids, [], cfg, None, None, cache, _with(dependent_launches="off"))
     assert not kept and off is not default and off.dependent is False
     qkv_off, kept = gd._loop_for(model, ids, [], cfg, None, None, cache, _with(triton_qkv=False))
@@ -165,15 +171,16 @@ def test_dependent_launches_fall_back_quietly_by_default_and_say_why_when_asked(
 def test_each_option_builds_its_own_loop_and_turns_its_part_off(parts):
     """A loop is kept per resolved DecodeOptions; with fuse_qkv, triton_mlp or fuse_rope off the
     loop plans none of that part."""
-    from hf_zero3.generation import graph_decode as gd
+    from hf_zero3.decode import static_loop as gd
     from hf_zero3.generation import release_decode_graphs
 
     model, cache, ids, cfg = parts
     default, _ = gd._loop_for(model, ids, [], cfg, None, None, cache, DEFAULTS)
-    assert default.fused.names  # the tiny Llama's q/k/v fuse by default
+    assert _part(default, features.FusedQKV).fused.names  # the tiny Llama's q/k/v fuse by default
     unfused, kept = gd._loop_for(model, ids, [], cfg, None, None, cache, _with(fuse_qkv=False))
-    assert not kept and unfused is not default and unfused.fused.names == ()
+    assert not kept and unfused is not default and _part(unfused, features.FusedQKV).fused.names == ()
     for change in (dict(triton_mlp=False), dict(fuse_rope=False), dict(compile_prefill=False)):
         loop, kept = gd._loop_for(model, ids, [], cfg, None, None, cache, _with(**change))
-        assert not kept and loop.mlp == () and loop.rope == (), change  # CPU: neither part applies
+        mlp, rope = _part(loop, features.MLPKernels), _part(loop, features.RopeAttention)
+        assert not kept and mlp.names == () and rope.names == (), change  # CPU: neither part applies
     release_decode_graphs(model)

@@ -52,12 +52,12 @@ def _static_loop_batches_rank():
             forwards=s.forwards,
             extra=s.extra_forwards,
             reused=s.loop_reused,
-            attention=s.attention,
-            fused=s.fused_projections,
+            attention=s.decode_report.attention,
+            fused=s.decode_report.fused_projections,
             prefill=s.prefill,
             prefill_reason=s.prefill_reason,
             compiles=s.compiles,
-            rope=s.rope_attention,
+            rope=s.decode_report.rope_attention,
         )
 
     run("eager", decode="eager")
@@ -66,19 +66,19 @@ def _static_loop_batches_rank():
     # default the steps rotate, write the cache and attend in one kernel per layer, the fill counts
     # advanced after the forward; with HF_ZERO3_FUSE_ROPE=0 the model's rotary embedding and cache
     # update stay beside the kernel
-    from hf_zero3.generation import decode_attention
+    from hf_zero3.decode import gqa_attention
     from hf_zero3.kernels import gqa_decode
 
     if os.environ.get("TRITON_INTERPRET") == "1" and gqa_decode.load() is not None:
-        choice = decode_attention.choice
-        decode_attention.choice = lambda model, device, rows, kernel="auto": decode_attention.KERNEL
+        choice = gqa_attention.choice
+        gqa_attention.choice = lambda model, device, rows, kernel="auto": gqa_attention.KERNEL
         try:
             os.environ.pop("HF_ZERO3_FUSE_ROPE", None)  # the default
             run("rope_kernel", decode="compiled")
             run("rope_kernel_again", decode="compiled")
             run("kernel_unfused_rope", decode="compiled", decode_options=hf_zero3.DecodeOptions(fuse_rope=False))
         finally:
-            decode_attention.choice = choice
+            gqa_attention.choice = choice
     # the same prompts sliced from a wider tensor (row stride != length, as a prompt cut from a
     # longer batch): the compiled prompt forward does not compile again
     run("sliced", decode="compiled", input_ids=torch.cat([ids, ids[:, :3]], 1)[:, :-3])
@@ -201,7 +201,7 @@ def test_the_rope_kernel_steps_give_eagers_tokens(batch_results):
     """Decode steps through the one-kernel rotary + cache write + attention (Triton's interpreter,
     compiled into the step as on a GPU) give eager decoding's tokens, compile nothing on a second
     call; with HF_ZERO3_FUSE_ROPE=0 the same kernel attends without the fusion."""
-    from hf_zero3.generation.decode_attention import KERNEL
+    from hf_zero3.decode.gqa_attention import KERNEL
 
     if "rope_kernel" not in batch_results[0]:
         pytest.fail("the interpreted Triton kernel did not build (TRITON_INTERPRET=1 is set by conftest on CPU hosts)")
@@ -217,7 +217,7 @@ def test_the_rope_kernel_steps_give_eagers_tokens(batch_results):
 
 
 def test_a_second_call_reuses_the_loop_only_with_the_same_parameters_and_state(batch_results):
-    from hf_zero3.generation.decode_attention import NAME
+    from hf_zero3.decode.gqa_attention import NAME
 
     for r in batch_results:
         for name in ("held_1", "held_2", "held_train"):

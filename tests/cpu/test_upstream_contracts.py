@@ -251,7 +251,7 @@ def test_transformers_attention_registries_take_a_named_decode_attention():
     assert ALL_ATTENTION_FUNCTIONS["hf_zero3_contract_probe"] is probe
     assert ALL_MASK_ATTENTION_FUNCTIONS["hf_zero3_contract_probe"] is sdpa_mask
     assert callable(hf_up.sdpa_attention())
-    # the length counter graph_decode hands back to a new cache: a one-element tensor per layer
+    # the length counter the static loop hands back to a new cache: a one-element tensor per layer
     layer = StaticLayer(max_cache_len=8)
     assert isinstance(layer.cumulative_length, torch.Tensor) and layer.cumulative_length.numel() == 1
     layer.update(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4))

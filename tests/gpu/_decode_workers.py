@@ -65,14 +65,14 @@ def compiled_decode(new_tokens: int = 48):
             decode=st.decode,
             forwards=st.forwards,
             compiles=st.compiles,
-            attention=st.attention,
-            mlp_kernels=st.mlp_kernels,
-            split_k=st.split_k,
+            attention=st.decode_report.attention,
+            mlp_kernels=st.decode_report.mlp_kernels,
+            split_k=st.decode_report.split_k,
             prefill=st.prefill,
             prefill_reason=st.prefill_reason,
-            rope_attention=st.rope_attention,
-            dependent_launches=st.dependent_launches,
-            qkv_partials=st.qkv_partials,
+            rope_attention=st.decode_report.rope_attention,
+            dependent_launches=st.decode_report.dependent_launches,
+            qkv_partials=st.decode_report.qkv_partials,
         )
         # the same call again, back to back, twice: the same tokens, and the graphs an earlier call
         # captured replay once the new call's cache tensors land where that call's were (a loop's

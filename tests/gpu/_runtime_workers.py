@@ -150,7 +150,7 @@ def grpo_compiled_decode(tmpdir: str, steps: int = 3, cuda: bool = True):
                     graph_steps=g.graph_steps,
                     reused=g.graphs_reused,
                     loop_reused=g.loop_reused,
-                    attention=g.attention,
+                    attention=g.decode_report.attention,
                     forwards=g.forwards,
                 )
             )

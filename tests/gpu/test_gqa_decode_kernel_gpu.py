@@ -21,7 +21,7 @@ def _case(batch=64, heads=32, kv=8, dim=64, length=192, dtype=torch.bfloat16):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_kernel_within_tolerance_of_the_pytorch_form(dtype):
-    from hf_zero3.generation.decode_attention import attention
+    from hf_zero3.decode.gqa_attention import attention
     from hf_zero3.kernels import gqa_decode
 
     assert gqa_decode.is_available(), gqa_decode.unavailable_reason()
@@ -37,7 +37,7 @@ def test_kernel_within_tolerance_of_the_pytorch_form(dtype):
 
 
 def test_kernel_compiles_into_one_graph_and_replays_from_a_cuda_graph():
-    from hf_zero3.generation.decode_attention import kernel_attention
+    from hf_zero3.decode.gqa_attention import kernel_attention
 
     q, k, v, keep = _case()
 
@@ -78,7 +78,7 @@ def _rope_case(batch=64, heads=32, kv=8, dim=64, length=192, pos=100, dtype=torc
 def _rope_reference(q, k, v, cos, sin, kc, vc, keep, pos):
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from hf_zero3.generation.decode_attention import attention
+    from hf_zero3.decode.gqa_attention import attention
 
     qr, kr = apply_rotary_pos_emb(
         q[:, :, None].float(), k[:, :, None].float(), cos[:, None].float(), sin[:, None].float()
@@ -152,7 +152,7 @@ def test_rope_inputs_are_built_once_a_step_not_once_a_layer():
 
     from torch._inductor.utils import run_and_get_code
 
-    from hf_zero3.generation.decode_attention import _rotary_rows
+    from hf_zero3.decode.gqa_attention import _rotary_rows
     from hf_zero3.kernels import gqa_decode
 
     q, k, v, _, _, kc, vc, _ = _rope_case()

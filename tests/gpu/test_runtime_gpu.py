@@ -40,7 +40,7 @@ def test_trl_grpo_under_deepcompile_trains_generates_and_evaluates(tmp_path):
 def test_trl_grpo_rollouts_run_the_static_loop_with_cuda_graphs(tmp_path):
     from _runtime_workers import grpo_compiled_decode
 
-    from hf_zero3.generation.decode_attention import KERNEL, NAME
+    from hf_zero3.decode.gqa_attention import KERNEL, NAME
 
     res = _run(grpo_compiled_decode, str(tmp_path), timeout=380)
     print(

@@ -20,10 +20,10 @@ def _ids(model, seed=0):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_fused_projections_equal_the_models_own_eager_and_compiled(kind):
+def test_fused_qkv_equals_the_models_own_eager_and_compiled(kind):
     import torch._dynamo
 
-    from hf_zero3.generation import fused_projections as fp
+    from hf_zero3.decode import fused_qkv as fp
 
     model = _model(kind)
     names = fp.plan(model)
@@ -68,7 +68,7 @@ def test_fused_projections_equal_the_models_own_eager_and_compiled(kind):
 def test_what_is_left_alone():
     from peft import LoraConfig, get_peft_model
 
-    from hf_zero3.generation import fused_projections as fp
+    from hf_zero3.decode import fused_qkv as fp
 
     model = _model()
     n = model.config.num_hidden_layers
@@ -94,7 +94,7 @@ class _Cross(nn.Module):
 
 
 def test_a_projection_called_on_another_input_computes_its_own():
-    from hf_zero3.generation import fused_projections as fp
+    from hf_zero3.decode import fused_qkv as fp
 
     torch.manual_seed(0)
     m = _Cross()
@@ -109,7 +109,7 @@ def test_a_projection_called_on_another_input_computes_its_own():
 
 
 def test_forwards_are_restored_after_a_step_that_raised():
-    from hf_zero3.generation import fused_projections as fp
+    from hf_zero3.decode import fused_qkv as fp
 
     model = _model()
     fused = fp.Fused(fp.plan(model))
@@ -124,7 +124,7 @@ def test_forwards_are_restored_after_a_step_that_raised():
 
 
 def test_layers_with_and_without_biases():
-    from hf_zero3.generation import fused_projections as fp
+    from hf_zero3.decode import fused_qkv as fp
 
     model = _model()
     attn = model.model.layers[1].self_attn
@@ -150,7 +150,7 @@ def test_the_parts_are_views_of_one_gemm_not_copies():
     """A fused layer's q, k and v are slices of one GEMM's output, read through their strides (a copy
     each was three kernels a layer in front of the fused rope kernel on a GPU), equal to the
     modules' own projections."""
-    from hf_zero3.generation import fused_projections as fp
+    from hf_zero3.decode import fused_qkv as fp
 
     model = _model()
     fused = fp.Fused(fp.plan(model))

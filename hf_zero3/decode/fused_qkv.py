@@ -4,10 +4,10 @@ At decode shapes (a few to 64 rows) a GEMM over a small weight is bound by its l
 not by reading the weight: the small key and value weights are read far below the GPU's memory
 bandwidth, so the three projections as one GEMM over one concatenated weight take about the time
 of one of them (see the ablations in benchmarks/RESULTS.md). The gate/up pair is not fused this
-way: one GEMM over both weights is slower than the two (same section; :mod:`.decode_mlp` fuses it
+way: one GEMM over both weights is slower than the two (same section; :mod:`.mlp_kernels` fuses it
 in a Triton kernel instead).
 
-hf_zero3's static loop (:mod:`.graph_decode`) uses it for its decode steps only: per call it
+hf_zero3's static loop (:mod:`.static_loop`) uses it for its decode steps only: per call it
 copies each attention module's three weights (and biases) into one buffer (the values change
 between calls: a training step), and inside a decode step the three projection modules return
 slices of one GEMM over it. Exactly the modules it can see are plain ``nn.Linear`` siblings named
@@ -15,7 +15,7 @@ slices of one GEMM over it. Exactly the modules it can see are plain ``nn.Linear
 layer, a quantized linear, an accelerate hook keep their own); a projection called with another
 input than its siblings' computes its own. The buffer lives for the call (it is as large as the
 three weights: about 8 % of a Llama model's weights) and is freed at its end; a later call's
-graphs replay only when its buffer lands at the same address (``graph_decode`` checks).
+graphs replay only when its buffer lands at the same address (the static loop checks).
 ``DecodeOptions(fuse_qkv=False)`` turns it off from the next call on (the decode steps then run the model's
 own projections; the graphs are captured again).
 """

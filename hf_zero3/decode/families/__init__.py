@@ -2,49 +2,27 @@
 ``config.model_type``.
 
 A family names the transformers functions a decode step replaces: the MLP forward
-(:mod:`.decode_mlp`: the gate/up GEMM with SiLU, down split-K) and, for Llama, the attention forward
-with its rotary embedding (:mod:`.decode_attention`'s rope kernel). A replacement is taken only
+(:mod:`..mlp_kernels`: the gate/up GEMM with SiLU, down split-K) and, for Llama, the attention
+forward with its rotary embedding (:mod:`..gqa_attention`'s rope kernel), each declared by the
+family's own module (:mod:`.llama`, :mod:`.mistral`, :mod:`.qwen2`, :mod:`.qwen3`). A replacement is taken only
 where the module runs that very function (so a subclass that overrides it keeps its own) and the
 function is the source hf_zero3 was checked against (``_upstream.transformers.CHECKED_SOURCES``):
 a transformers release that changes what it computes makes the part fall back to the model's own
-code, with the reason in ``hf_zero3_last_generate.decode_fallbacks``, instead of running the old
+code, with the reason in ``hf_zero3_last_generate.decode_report.fallbacks``, instead of running the old
 math. Everything else of the decode path (static buffers, compiled step, fused q/k/v GEMM, the
 grouped-heads attention) works on any model through transformers' own interfaces.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from .._upstream import transformers as hf_up
+from ..._upstream import transformers as hf_up
+from . import llama, mistral, qwen2, qwen3
+from .family import Family
 
 __all__ = ["Family", "FAMILIES", "mlp_forwards", "rope_forwards", "fallbacks"]
 
-_LLAMA = "transformers.models.llama.modeling_llama."
 
-
-@dataclass(frozen=True)
-class Family:
-    """What the decode path replaces in one model family (dotted paths of transformers functions)."""
-
-    model_type: str
-    mlp: tuple[str, ...] = ()  # MLP forwards computed as down(silu(gate(x)) * up(x))
-    rope_attention: tuple[str, ...] = ()  # attention forward + the rotary helpers it calls
-
-
-FAMILIES: dict[str, Family] = {
-    f.model_type: f
-    for f in (
-        Family(
-            "llama",
-            mlp=(_LLAMA + "LlamaMLP.forward",),
-            rope_attention=(_LLAMA + "LlamaAttention.forward", _LLAMA + "apply_rotary_pos_emb", _LLAMA + "rotate_half"),
-        ),
-        Family("mistral", mlp=("transformers.models.mistral.modeling_mistral.MistralMLP.forward",)),
-        Family("qwen2", mlp=("transformers.models.qwen2.modeling_qwen2.Qwen2MLP.forward",)),
-        Family("qwen3", mlp=("transformers.models.qwen3.modeling_qwen3.Qwen3MLP.forward",)),
-    )
-}
+FAMILIES: dict[str, Family] = {m.FAMILY.model_type: m.FAMILY for m in (llama, mistral, qwen2, qwen3)}
 
 
 def _checked(paths: tuple[str, ...]) -> bool:
@@ -52,7 +30,7 @@ def _checked(paths: tuple[str, ...]) -> bool:
 
 
 def mlp_forwards() -> tuple:
-    """The MLP forwards :mod:`.decode_mlp` may compute (every family's that is the checked source)."""
+    """The MLP forwards :mod:`..mlp_kernels` may compute (every family's that is the checked source)."""
     return tuple(hf_up.upstream_function(p) for f in FAMILIES.values() for p in f.mlp if _checked((p,)))
 
 

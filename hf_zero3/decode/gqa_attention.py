@@ -30,7 +30,7 @@ import torch
 from .._upstream import torch as torch_up
 from .._upstream import transformers as hf_up
 from ..kernels import decode_gemm, gqa_decode
-from . import families, fused_projections
+from . import families, fused_qkv
 
 __all__ = [
     "NAME",
@@ -364,7 +364,7 @@ def _rope_forward(module):
         b, d = hidden_states.shape[0], m.head_dim
         op = _STEP["qkv"]
         split = decode_gemm.split_for(hidden_states.shape[-1]) if op is not None else 1
-        parts = fused_projections.partials(m, hidden_states, op, split) if split > 1 else None
+        parts = fused_qkv.partials(m, hidden_states, op, split) if split > 1 else None
         if parts is not None:  # float32 partial sums (split, rows, features), summed by the kernel
             q, k = (p.view(split, b, -1, d) for p in parts[:2])
             v = parts[2].view(split, b, k.shape[2], -1)
@@ -411,7 +411,7 @@ def rope_use(
     of transformers' causal mask; ``rotaries`` (:func:`rope_rotaries`): rotary embeddings whose
     cos/sin become one buffer each per step. Both only where ``modules`` is not empty.
     ``dependent``: the kernel is a programmatic dependent launch (the loop planned it); ``qkv``
-    (:func:`rope_qkv`'s op): the fused q/k/v projection (:mod:`.fused_projections`, bound this call)
+    (:func:`rope_qkv`'s op): the fused q/k/v projection (:mod:`.fused_qkv`, bound this call)
     runs through it and the kernel sums its float32 partials."""
     patched = []
     try:

@@ -1,4 +1,4 @@
-"""The decode step's MLP through hf_zero3's Triton GEMMs (hf_zero3.generation.decode_mlp,
+"""The decode step's MLP through hf_zero3's Triton GEMMs (hf_zero3.decode.mlp_kernels,
 hf_zero3.kernels.decode_gemm), run by Triton's interpreter on CPU in float32 (its bf16 ``tl.dot``
 is not exact; bf16 runs in the GPU benchmark): the kernels against F.linear, the patched forward
 against a real Llama MLP, and which modules it takes."""
@@ -60,7 +60,7 @@ def test_split_for_takes_four_slices_from_2048():
 
 @pytest.mark.parametrize("split", [False, True])
 def test_a_llama_mlp_through_the_kernels_equals_its_own_forward(split):
-    from hf_zero3.generation import decode_mlp
+    from hf_zero3.decode import mlp_kernels
     from hf_zero3.kernels import decode_gemm
     from hf_zero3.testing import models
 
@@ -71,79 +71,79 @@ def test_a_llama_mlp_through_the_kernels_equals_its_own_forward(split):
     x = torch.randn(5, 1, model.config.hidden_size)
     with torch.no_grad():
         own = mlp(x)
-        ours = decode_mlp._forward(mlp, split)(x)
+        ours = mlp_kernels._forward(mlp, split)(x)
         big = torch.randn(2, 40, model.config.hidden_size)  # a prompt's rows: the model's own computation
-        torch.testing.assert_close(decode_mlp._forward(mlp, split)(big), mlp(big))
+        torch.testing.assert_close(mlp_kernels._forward(mlp, split)(big), mlp(big))
         # dependent launches asked where there are none (CPU, Triton's interpreter): the plain ops
-        torch.testing.assert_close(decode_mlp._forward(mlp, split, True)(x), ours, rtol=0, atol=0)
+        torch.testing.assert_close(mlp_kernels._forward(mlp, split, True)(x), ours, rtol=0, atol=0)
     torch.testing.assert_close(ours, own, rtol=1e-4, atol=1e-5)
 
 
 def test_an_output_projection_through_split_k_equals_its_own_forward():
-    from hf_zero3.generation import decode_mlp
+    from hf_zero3.decode import mlp_kernels
 
     lin = torch.nn.Linear(1024, 40, bias=False)
     x = torch.randn(6, 1, 1024)
     with torch.no_grad():
-        torch.testing.assert_close(decode_mlp._split_forward(lin)(x), lin(x), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(mlp_kernels._split_forward(lin)(x), lin(x), rtol=1e-4, atol=1e-4)
         big = torch.randn(2, 40, 1024)  # more rows than a decode step: the layer's own GEMM
-        torch.testing.assert_close(decode_mlp._split_forward(lin)(big), lin(big))
+        torch.testing.assert_close(mlp_kernels._split_forward(lin)(big), lin(big))
 
 
 def test_which_output_projections_split_and_use_restores_them(monkeypatch):
-    from hf_zero3.generation import decode_mlp
+    from hf_zero3.decode import mlp_kernels
     from hf_zero3.testing import models
 
     # o_proj's reduction is heads x head_dim = hidden (1024 here): long enough to split
     model = models.plain_model(models.tiny_llama_config(hidden_size=1024, num_hidden_layers=1)).to(torch.bfloat16)
-    split = tuple(n for n, m in model.named_modules() if decode_mlp.applies_split(n, m))
+    split = tuple(n for n, m in model.named_modules() if mlp_kernels.applies_split(n, m))
     assert split == ("model.layers.0.self_attn.o_proj",)
     small = models.plain_model(models.tiny_llama_config()).to(torch.bfloat16)  # 32: too short to split
-    assert not any(decode_mlp.applies_split(n, m) for n, m in small.named_modules())
+    assert not any(mlp_kernels.applies_split(n, m) for n, m in small.named_modules())
     o = model.model.layers[0].self_attn.o_proj
     handle = o.register_forward_pre_hook(lambda *a: None)
-    assert not decode_mlp.applies_split(split[0], o)  # hooked: its own forward
+    assert not mlp_kernels.applies_split(split[0], o)  # hooked: its own forward
     handle.remove()
     names = split + ("model.layers.0.mlp",)
-    bound = decode_mlp.bind(model, names)
+    bound = mlp_kernels.bind(model, names)
     assert bound == [o, model.model.layers[0].mlp]
-    assert decode_mlp.counts(bound, True) == (1, 1) and decode_mlp.counts(bound, False) == (1, 1)
-    with decode_mlp.use(bound, True):
+    assert mlp_kernels.counts(bound, True) == (1, 1) and mlp_kernels.counts(bound, False) == (1, 1)
+    with mlp_kernels.use(bound, True):
         first = o.forward
-    with decode_mlp.use(bound, True):
+    with mlp_kernels.use(bound, True):
         assert o.forward is first  # kept: a compiled step's guard on it holds
     assert "forward" not in vars(o)
 
 
 def test_which_mlps_it_takes_and_use_restores_them(monkeypatch):
-    from hf_zero3.generation import decode_mlp
+    from hf_zero3.decode import mlp_kernels
     from hf_zero3.testing import models
 
     model = models.plain_model(models.tiny_llama_config()).to(torch.bfloat16)
-    names = tuple(n for n, m in model.named_modules() if decode_mlp.applies(m))
+    names = tuple(n for n, m in model.named_modules() if mlp_kernels.applies(m))
     assert names == ("model.layers.0.mlp", "model.layers.1.mlp")
-    assert decode_mlp.plan(model, "cpu") == ()  # CUDA only
-    assert not decode_mlp.applies(model.float().model.layers[0].mlp)  # float32: the model's own
+    assert mlp_kernels.plan(model, "cpu") == ()  # CUDA only
+    assert not mlp_kernels.applies(model.float().model.layers[0].mlp)  # float32: the model's own
     model.to(torch.bfloat16)
     mlp = model.model.layers[0].mlp
     handle = mlp.gate_proj.register_forward_hook(lambda *a: None)
-    assert not decode_mlp.applies(mlp)  # a hooked projection (LoRA, accelerate, a user's) keeps its own
+    assert not mlp_kernels.applies(mlp)  # a hooked projection (LoRA, accelerate, a user's) keeps its own
     handle.remove()
     mlp.act_fn = torch.nn.GELU()
-    assert not decode_mlp.applies(mlp)
+    assert not mlp_kernels.applies(mlp)
     mlp.act_fn = torch.nn.SiLU()
-    assert decode_mlp.applies(mlp)
+    assert mlp_kernels.applies(mlp)
     keeps = type("MyMLP", (type(mlp),), {})  # a class of the user's that keeps the checked forward
     mlp.__class__ = keeps
-    assert decode_mlp.applies(mlp)
+    assert mlp_kernels.applies(mlp)
     overrides = type("MyMLP", (type(mlp),), {"forward": lambda self, x: self.down_proj(self.up_proj(x))})
     mlp.__class__ = overrides  # its own forward: its own code runs
-    assert not decode_mlp.applies(mlp)
+    assert not mlp_kernels.applies(mlp)
     mlp.__class__ = keeps.__mro__[1]
-    bound = decode_mlp.bind(model, names)
+    bound = mlp_kernels.bind(model, names)
     assert len(bound) == 2 and bound[0] is mlp
     with pytest.raises(RuntimeError, match="inside"):
-        with decode_mlp.use(bound, False):
+        with mlp_kernels.use(bound, False):
             assert "forward" in vars(mlp)
             raise RuntimeError("inside")
     assert "forward" not in vars(mlp)
@@ -151,12 +151,12 @@ def test_which_mlps_it_takes_and_use_restores_them(monkeypatch):
 
 def test_autocast_keeps_the_models_computation():
     """Under autocast (which casts per op) the model's own MLP runs: the kernel would not cast."""
-    from hf_zero3.generation import decode_mlp
+    from hf_zero3.decode import mlp_kernels
     from hf_zero3.testing import models
 
     model = models.plain_model(models.tiny_llama_config())
     mlp = model.model.layers[0].mlp
-    fn = decode_mlp._forward(mlp, True)
+    fn = mlp_kernels._forward(mlp, True)
     y = torch.randn(3, 1, model.config.hidden_size)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         ours, own = fn(y), mlp(y)

@@ -28,7 +28,7 @@ def test_decode_attention_equals_transformers_eager_and_sdpa(attn):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
-    from hf_zero3.generation.decode_attention import attention
+    from hf_zero3.decode.gqa_attention import attention
 
     _, module = attn
     q, k, v, keep = _inputs()
@@ -46,7 +46,7 @@ def test_decode_attention_equals_transformers_eager_and_sdpa(attn):
 def test_other_shapes_are_transformers_sdpa(attn):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from hf_zero3.generation.decode_attention import attention
+    from hf_zero3.decode.gqa_attention import attention
 
     _, module = attn
     q, k, v, keep = _inputs(q_len=4)  # a prompt, not one decode token
@@ -57,22 +57,22 @@ def test_other_shapes_are_transformers_sdpa(attn):
 
 
 def test_applies_only_to_gqa_models_and_use_restores_the_config(attn):
-    from hf_zero3.generation import decode_attention
+    from hf_zero3.decode import gqa_attention
     from hf_zero3.testing import models
 
     model, _ = attn
-    assert decode_attention.applies(model)
+    assert gqa_attention.applies(model)
     mha = models.plain_model(models.tiny_llama_config(num_key_value_heads=4))
-    assert not decode_attention.applies(mha)
+    assert not gqa_attention.applies(mha)
     model.config.attn_logit_softcapping = 30.0  # soft-capped logits (Gemma 2/3): the model's own attention
     try:
-        assert not decode_attention.applies(model)
+        assert not gqa_attention.applies(model)
     finally:
         del model.config.attn_logit_softcapping
     before = model.config._attn_implementation
     with pytest.raises(RuntimeError, match="inside"):
-        with decode_attention.use(model):
-            assert model.config._attn_implementation == decode_attention.NAME
+        with gqa_attention.use(model):
+            assert model.config._attn_implementation == gqa_attention.NAME
             ids = torch.tensor([[3, 4, 5]])
             with torch.no_grad():
                 model(input_ids=ids)  # a prompt through the registered name: SDPA, with its mask

@@ -21,16 +21,16 @@ Across calls: the loop (its static buffers and CUDA graphs) is kept per model an
 cache length, sampling, processors and their values, EOS ids; at most ``KEEP`` per model) and a
 later call replays its graphs only while everything a replayed graph reads is what it was captured
 with: the parameters' and buffers' storage, every tensor of the static cache, the call's fused
-q/k/v weight copy (:mod:`.fused_projections`), and the model's plain state (``training`` flags,
+q/k/v weight copy (:mod:`.fused_qkv`), and the model's plain state (``training`` flags,
 PEFT adapter switches, hook counts, config fields: what the compiled forward's guards would
 check). Gathered parameters land at the same addresses from one region to the next when the
 allocation sequence repeats (back to back, after a layer-wise forward, after a training step);
 when anything moved, the call captures anew. Kept graphs hold their memory pool
 (one decode step's temporaries) until :func:`release` (``hf_zero3.release_decode_graphs``).
-Grouped-query models decode with :mod:`.decode_attention` (the KV cache read once per step, not
+Grouped-query models decode with :mod:`.gqa_attention` (the KV cache read once per step, not
 once per query head; on CUDA one Triton kernel per layer where it pays, with a Llama layer's
 rotary embedding and cache write inside it), Llama-style SiLU MLPs
-with :mod:`.decode_mlp` (the gate/up pair as one Triton kernel, down and ``o_proj`` split-K,
+with :mod:`.mlp_kernels` (the gate/up pair as one Triton kernel, down and ``o_proj`` split-K,
 CUDA), and the decode steps run
 DeepSpeed's forward prologue/epilogue hooks and gradient checkpointing's input-require-grads hook
 off (nothing for them to do in a gathered region under ``no_grad``). The prompt's forward is
@@ -63,9 +63,8 @@ import torch
 from .._upstream import deepspeed as ds_up
 from .._upstream import torch as torch_up
 from .._upstream import transformers as hf_up
-from ..kernels import decode_gemm
 from ..options import DecodeOptions
-from . import decode_attention, decode_mlp, families, fused_projections
+from . import families, features, gqa_attention
 
 __all__ = ["GRAPH_SAFE_PROCESSORS", "GRAPH_SAFE_CRITERIA", "unsupported", "decode", "failure", "release"]
 
@@ -191,7 +190,7 @@ def _compiled_call(cls, dependent: bool = False):
     """``cls.__call__`` compiled into one graph (hooks included, as transformers compiles it),
     once per class: an unbound function holds no model alive. Its graphs guard on the modules'
     hooks (``_upstream.torch.hook_guards``): a call with other hooks compiles again. ``dependent``:
-    inductor's kernels are programmatic dependent launches (:func:`dependent_launches`)."""
+    inductor's kernels are programmatic dependent launches (:func:`.features.dependent_launches`)."""
     fn = _COMPILED.get((cls, dependent))
     if fn is None:
         options = torch_up.inductor_dependent_launch_options() if dependent else {}
@@ -203,33 +202,6 @@ def _compiled_call(cls, dependent: bool = False):
 
         _COMPILED[(cls, dependent)] = fn
     return fn
-
-
-def dependent_launches(device, mode: str = "auto") -> bool:
-    """The decode steps' kernels are programmatic dependent launches (``mode``:
-    :attr:`~hf_zero3.options.DecodeOptions.dependent_launches`, ``"auto"`` by default): each may
-    start while the kernel before it finishes and waits for it only where it reads its output (the
-    Triton GEMMs and the rope attention: :mod:`hf_zero3.kernels.decode_gemm`; inductor's kernels:
-    its ``triton.enable_pdl``). A decode step is over a hundred short kernels, each with a ramp of
-    its own: dependent launches let the next kernel start its prologue before this one ends, which
-    pays most at large batches (see the ablations in benchmarks/RESULTS.md). Where the GPU or Triton
-    cannot (:func:`~hf_zero3.kernels.decode_gemm.dependent_unavailable`: before Hopper, on CPU) the
-    steps launch as usual; asked for explicitly (``mode="on"``), one log line says why. Decided when
-    a decode loop is built."""
-    if mode == "off":
-        return False
-    why = decode_gemm.dependent_unavailable(device)
-    if why is not None:
-        if mode == "on" and why not in _PDL_REFUSED:
-            _PDL_REFUSED.add(why)
-            log.warning(
-                "hf_zero3 lockstep: dependent launches asked for, but the decode steps launch as usual: %s", why
-            )
-        return False
-    return True
-
-
-_PDL_REFUSED: set = set()  # reasons already logged
 
 
 def _prompt_logits(model, **kwargs):
@@ -360,13 +332,7 @@ class _Loop:
         device,
         eos: torch.Tensor | None,
         sample: bool,
-        attention: str | None,
-        fused: tuple[str, ...] = (),
-        mlp: tuple[str, ...] = (),
-        split: bool = False,
-        rope: tuple[str, ...] = (),
-        dependent: bool = False,
-        qkv_partials: bool = True,
+        parts: list[features.Feature] = (),
     ):
         self.mask = torch.ones(batch, length, dtype=torch.long, device=device)
         self.pos = torch.zeros(batch, dtype=torch.long, device=device)
@@ -379,20 +345,8 @@ class _Loop:
         self.out = torch.zeros(batch, length, dtype=torch.long, device=device)  # a call's tokens, at most length
         self.alive = torch.ones(length, dtype=torch.bool, device=device)
         self.sample = sample
-        self.attention = attention  # the decode_attention the steps attend with (None: the model's own)
-        self.fused = fused_projections.Fused(fused)  # attention modules whose q/k/v run as one GEMM
-        self.fused_layers = 0
-        self.mlp = mlp  # names of the modules the decode steps run through decode_mlp's kernels
-        self.split = split  # down through decode_mlp's split-K kernel too (o_proj layers are in mlp then)
-        self.mlp_bound: list = []  # this call's modules that still apply (decode_mlp.bind)
-        self.mlp_layers = self.split_layers = 0  # MLPs, split-K projections: the call's stats
-        self.rope = rope  # attention modules whose steps rotate, write the cache and attend in one kernel
-        self.rope_bound: list = []  # this call's (decode_attention.rope_bind, after bind_cache)
-        self.rotaries: list = []  # this call's rotary embeddings beside them (decode_attention.rope_rotaries)
-        self.rope_layers = 0
-        self.dependent = dependent  # the steps' kernels are programmatic dependent launches
-        # the fused q/k/v GEMM's split-K op feeding the rope kernel (None: the projections' own GEMM)
-        self.qkv = decode_attention.rope_qkv(device, dependent) if rope and fused and qkv_partials else None
+        self.features = list(parts)  # the decode step's parts computed our way (features.plan)
+        self.dependent = any(isinstance(f, features.DependentLaunches) and f.on for f in self.features)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # steps per graph -> graph
         self.cache_ptrs = None  # the cache tensors the graphs were captured with
         self.cache_small = None  # per layer, its small tensors (length counters) the graphs read
@@ -424,9 +378,23 @@ class _Loop:
         self.extra = _forward_kwargs(model)
         self.call = _compiled_call(type(model), self.dependent) if self.compiled else type(model).__call__
 
+    def bind(self) -> None:
+        """After the prefill: each feature binds to this call's model and cache (the fused q/k/v
+        copy is made here, so the prefill's peak does not hold it), then the check of what the
+        graphs were captured with."""
+        for f in self.features:
+            f.bind(self.model, self.cache)
+        self.bind_cache()
+
+    def report(self) -> features.DecodeReport:
+        report = features.DecodeReport(fallbacks=families.fallbacks(self.model))
+        for f in self.features:
+            f.report(report, self.compiled)
+        return report
+
     def end(self) -> None:
-        self.fused.free()
-        self.mlp_bound, self.rope_bound, self.rotaries = [], [], []
+        for f in self.features:
+            f.end()
         self.model = self.cache = self.prompt = self.processors = self.call = None
 
     def bind_cache(self) -> None:
@@ -452,7 +420,11 @@ class _Loop:
                     ):
                         kept.copy_(now)
                         setattr(layer, name, kept)
-        ptrs = tuple(_tensor_ptrs(layer) for layer in self.cache.layers) + (_tensor_ptrs(self.cache), self.fused.ptr)
+        ptrs = (
+            tuple(_tensor_ptrs(layer) for layer in self.cache.layers)
+            + (_tensor_ptrs(self.cache),)
+            + tuple(f.address for f in self.features)
+        )
         if ptrs != self.cache_ptrs:
             self.graphs.clear()
             self.warm = False  # the next step runs uncaptured (any recompile happens outside a capture)
@@ -473,14 +445,11 @@ class _Loop:
             use_cache=True,
             **self.extra,
         )
-        with (
-            decode_attention.use(self.model, self.attention),
-            self.fused.use(),
-            decode_mlp.use(self.mlp_bound, self.split, self.dependent),
-            decode_attention.rope_use(self.rope_bound, self.mask, self.rotaries, self.dependent, self.qkv),
-            hf_up.input_grad_hooks_suspended(self.model),
-            ds_up.engine_forward_hooks_suspended(self.model),
-        ):
+        with contextlib.ExitStack() as parts:
+            for f in self.features:
+                parts.enter_context(f.use(self))
+            parts.enter_context(hf_up.input_grad_hooks_suspended(self.model))
+            parts.enter_context(ds_up.engine_forward_hooks_suspended(self.model))
             try:
                 out = self.call(self.model, **kwargs)
             except _COMPILE_ERRORS as exc:
@@ -493,7 +462,8 @@ class _Loop:
                 log.warning("hf_zero3 lockstep: static loop without torch.compile: %s", why)
                 self.call, self.compiled = type(self.model).__call__, False
                 out = self.call(self.model, **kwargs)
-        decode_attention.advance(self.rope_bound, self.cache)  # the fill counts the fused layers left
+        for f in self.features:
+            f.after_step(self.cache)
         self._choose(out.logits[:, -1])
 
     def _choose(self, logits: torch.Tensor) -> None:
@@ -631,8 +601,7 @@ def _loop_for(
     first, and one per shape and ``options`` (resolved): a loop whose addresses or state no longer
     match is replaced. Host work only (no device sync): it runs while the prompt's forward does."""
     device = input_ids.device
-    split = options.triton_mlp and options.split_k
-    attention = decode_attention.choice(model, device, input_ids.shape[0], options.triton_attention)
+    attention = gqa_attention.choice(model, device, input_ids.shape[0], options.triton_attention)
     key = _loop_key(model, input_ids, processors, generation_config, eos_key, cache, attention, options)
     if key is not None:
         kept = _LOOPS.setdefault(model, collections.OrderedDict())
@@ -646,13 +615,7 @@ def _loop_for(
         input_ids.device,
         eos,
         bool(generation_config.do_sample),
-        attention,
-        fused_projections.plan(model) if options.fuse_qkv else (),
-        decode_mlp.plan(model, device, split) if options.triton_mlp else (),
-        split,
-        decode_attention.rope_plan(model, attention) if options.fuse_rope else (),
-        dependent_launches(device, options.dependent_launches),
-        options.triton_qkv,
+        features.plan(model, device, attention, options),
     )
     if key is not None:
         kept[key[0]] = (key[1], loop)
@@ -779,15 +742,7 @@ def decode(
         )
         runner = _Runner(loop, graph_steps)
         loop._choose(logits)  # the first token, from the prompt's logits
-        # this call's q/k/v weights copied into one buffer, after the prefill (its peak does not
-        # hold the copy) and before the check of what the graphs were captured with
-        loop.fused_layers = loop.fused.bind(model)
-        loop.mlp_bound = decode_mlp.bind(model, loop.mlp)
-        loop.mlp_layers, loop.split_layers = decode_mlp.counts(loop.mlp_bound, loop.split)
-        loop.bind_cache()
-        loop.rope_bound = decode_attention.rope_bind(model, loop.rope, cache)  # the counters bind_cache kept
-        loop.rope_layers = len(loop.rope_bound)
-        loop.rotaries = decode_attention.rope_rotaries(model) if loop.rope_bound else []
+        loop.bind()
         every, fixed = call.cfg.sync_every, call.cfg.stop == "fixed"
         tokens = 1  # the prefill chose token 1; before forward k + 1 the loop asks to go on (k = tokens)
         while tokens < budget:
@@ -798,6 +753,7 @@ def decode(
             runner.run(nxt - tokens)
             tokens = nxt
         out, done_at = loop.result(tokens)
+        report = loop.report()
     except BaseException:
         _forget(model, loop)  # a call cut short leaves no half-captured loop behind
         raise
@@ -813,15 +769,8 @@ def decode(
         capture_s=runner.capture_s,
         loop_reused=kept,
         graphs_reused=runner.reused,
-        attention=loop.attention,
-        fused_projections=loop.fused_layers,
-        mlp_kernels=loop.mlp_layers,
-        split_k=loop.split_layers,
-        rope_attention=loop.rope_layers,
-        dependent_launches=loop.dependent and loop.compiled,
-        qkv_partials=bool(loop.qkv and loop.fused_layers and loop.rope_layers and loop.compiled),
         prefill=prefill,
         prefill_reason=_PREFILL_FAILED.get(model),
-        decode_fallbacks=families.fallbacks(model),
+        report=report,
     )
     return out

@@ -1,0 +1,16 @@
+"""What one model family's fast decode path replaces."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Family"]
+
+
+@dataclass(frozen=True)
+class Family:
+    """The transformers functions (dotted paths) a family's decode steps compute themselves."""
+
+    model_type: str
+    mlp: tuple[str, ...] = ()  # MLP forwards computed as down(silu(gate(x)) * up(x))
+    rope_attention: tuple[str, ...] = ()  # attention forward + the rotary helpers it calls

@@ -1,0 +1,11 @@
+"""Llama: the MLP, and the attention forward with its rotary embedding (the rope kernel)."""
+
+from .family import Family
+
+_M = "transformers.models.llama.modeling_llama."
+
+FAMILY = Family(
+    "llama",
+    mlp=(_M + "LlamaMLP.forward",),
+    rope_attention=(_M + "LlamaAttention.forward", _M + "apply_rotary_pos_emb", _M + "rotate_half"),
+)
