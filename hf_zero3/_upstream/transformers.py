@@ -82,10 +82,12 @@ def pad_token_tensor(generation_config):
     return getattr(generation_config, "_pad_token_tensor", None)
 
 
-#: The transformers functions the fast decode path computes itself (hf_zero3.decode.families),
-#: each with the fingerprint of its source (:func:`source_fingerprint`) in the releases it was
-#: checked against: transformers 5.17.0 and 5.23.0 (the same for all of them). A function whose
-#: source differs falls back to the model's own code.
+#: The transformers functions the fast decode path computes itself (hf_zero3.decode.families, and
+#: the logits processors of hf_zero3.decode.logits_processors), each with the fingerprints of its
+#: source (:func:`source_fingerprint`) in the releases it was checked against: transformers 5.17.0
+#: and 5.23.0 (one fingerprint where the two agree, else 5.23.0's then 5.17.0's; the processors
+#: differ in annotations, and 5.23.0's repetition penalty also drops ids past the output vocabulary,
+#: which hf_zero3 computes too). A function whose source differs falls back to the model's own code.
 CHECKED_SOURCES = {
     "transformers.models.llama.modeling_llama.LlamaAttention.forward": "6cc040820685adbf",
     "transformers.models.llama.modeling_llama.apply_rotary_pos_emb": "d7bb227c70940011",
@@ -94,6 +96,18 @@ CHECKED_SOURCES = {
     "transformers.models.mistral.modeling_mistral.MistralMLP.forward": "4a9e0f851f1aaf4d",
     "transformers.models.qwen2.modeling_qwen2.Qwen2MLP.forward": "4a9e0f851f1aaf4d",
     "transformers.models.qwen3.modeling_qwen3.Qwen3MLP.forward": "4a9e0f851f1aaf4d",
+    "transformers.generation.logits_process.MinNewTokensLengthLogitsProcessor.__call__": (
+        "6925b27f19d2dcf5",
+        "6c78e5e631c971a5",
+    ),
+    "transformers.generation.logits_process.MinLengthLogitsProcessor.__call__": (
+        "37ec104dde2492f8",
+        "170a095a735d287f",
+    ),
+    "transformers.generation.logits_process.RepetitionPenaltyLogitsProcessor.__call__": (
+        "149442a11dc04487",
+        "5184b31942be6f8c",
+    ),
 }
 
 
@@ -144,10 +158,12 @@ def unchecked_reason(path: str) -> str | None:
         got = _FINGERPRINTS.get(fn) or _FINGERPRINTS.setdefault(fn, source_fingerprint(fn))
     except (OSError, TypeError, SyntaxError) as exc:  # no source to read (a C function, a REPL)
         return f"the source of {short} cannot be read ({type(exc).__name__})"
-    if got != CHECKED_SOURCES[path]:
+    checked = CHECKED_SOURCES[path]
+    checked = (checked,) if isinstance(checked, str) else checked
+    if got not in checked:
         return (
             f"{short} is not the code hf_zero3 was checked against (fingerprint {got}, checked "
-            f"{CHECKED_SOURCES[path]}: {CHECKED}); the model's own code runs there"
+            f"{', '.join(checked)}: {CHECKED}); the model's own code runs there"
         )
     return None
 

@@ -64,22 +64,14 @@ from .._upstream import deepspeed as ds_up
 from .._upstream import torch as torch_up
 from .._upstream import transformers as hf_up
 from ..options import DecodeOptions
-from . import families, features, gqa_attention
+from . import families, features, gqa_attention, logits_processors
 
 __all__ = ["GRAPH_SAFE_PROCESSORS", "GRAPH_SAFE_CRITERIA", "unsupported", "decode", "failure", "release"]
 
 log = logging.getLogger("hf_zero3.generation")
 
-# Tensor-only processors: they read the scores, never the (growing) input ids or host state.
-GRAPH_SAFE_PROCESSORS = frozenset(
-    {
-        "TemperatureLogitsWarper",
-        "TopKLogitsWarper",
-        "TopPLogitsWarper",
-        "MinPLogitsWarper",
-        "InfNanRemoveLogitsProcessor",
-    }
-)
+# Processors the loop runs inside its captured steps (see .logits_processors).
+GRAPH_SAFE_PROCESSORS = logits_processors.TENSOR_ONLY | frozenset(logits_processors.COMPUTED)
 # Criteria the loop computes itself: the step budget, and EOS on the token just chosen.
 GRAPH_SAFE_CRITERIA = frozenset({"MaxLengthCriteria", "EosTokenCriteria"})
 _MODEL_KWARGS = frozenset(
@@ -130,8 +122,9 @@ def unsupported(
     if getattr(generation_config, "is_assistant", False):
         return "assisted decoding"
     for p in logits_processor or ():
-        if type(p).__name__ not in GRAPH_SAFE_PROCESSORS:
-            return f"logits processor {type(p).__name__} is not one the loop captures"
+        why = logits_processors.unsupported(p)
+        if why is not None:
+            return why
     for c in stopping_criteria or ():
         if type(c).__name__ not in GRAPH_SAFE_CRITERIA:
             return f"stopping criterion {type(c).__name__} is not one the loop computes"
@@ -333,6 +326,7 @@ class _Loop:
         eos: torch.Tensor | None,
         sample: bool,
         parts: list[features.Feature] = (),
+        processors: list = (),
     ):
         self.mask = torch.ones(batch, length, dtype=torch.long, device=device)
         self.pos = torch.zeros(batch, dtype=torch.long, device=device)
@@ -345,6 +339,7 @@ class _Loop:
         self.out = torch.zeros(batch, length, dtype=torch.long, device=device)  # a call's tokens, at most length
         self.alive = torch.ones(length, dtype=torch.bool, device=device)
         self.sample = sample
+        self.logits = logits_processors.LoopProcessors(processors, device)  # this loop's processors, on its buffers
         self.features = list(parts)  # the decode step's parts computed our way (features.plan)
         self.dependent = any(isinstance(f, features.DependentLaunches) and f.on for f in self.features)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # steps per graph -> graph
@@ -355,12 +350,15 @@ class _Loop:
         self.compiled = True
         self.model = self.cache = self.prompt = self.processors = None
 
-    def start(self, model, input_ids, mask, positions, cache, processors, generation_config, stopping_criteria, budget):
+    def start(
+        self, model, input_ids, mask, positions, cache, processors, generation_config, stopping_criteria, budget, vocab
+    ):
         """Fill the buffers for one call (``mask``, ``positions``: the prompt's, from
         :func:`_prompt_inputs`) after its prompt's forward was queued."""
         self.model, self.processors, self.cache = model, processors, cache
         b, p = input_ids.shape
         self.prompt = input_ids
+        self.logits.start(processors, input_ids, vocab)
         # the cache's whole length: prompt padding, then every position a decode step may fill
         self.mask.fill_(1)
         self.mask[:, :p] = mask
@@ -476,14 +474,13 @@ class _Loop:
                     _TAIL_FAILED.append(_why(exc))
                     log.warning("hf_zero3 lockstep: greedy steps without a compiled tail: %s", _TAIL_FAILED[0])
             return _greedy_tail(logits, *buffers)
-        scores = logits.to(torch.float32)
-        for proc in self.processors or ():
-            scores = proc(self.prompt, scores)  # tensor-only processors ignore the ids
+        scores = self.logits(logits.to(torch.float32), self.idx, self.prompt)
         if self.sample:
             nxt = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
         else:
             nxt = torch.argmax(scores, dim=-1)
         _record_token(nxt, *buffers)
+        self.logits.record(self.tok)
 
     def finished(self) -> bool:
         return not bool(self.unfinished.any())  # the one host sync, at a stop agreement
@@ -560,16 +557,23 @@ def _module_state(model) -> tuple:
 
 
 def _loop_key(
-    model, input_ids, processors, generation_config, eos_key, cache, attention: str | None, options: DecodeOptions
+    model,
+    input_ids,
+    processors,
+    generation_config,
+    eos_key,
+    cache,
+    attention: str | None,
+    options: DecodeOptions,
+    procs_key: tuple | None = (),
 ) -> tuple[tuple, tuple] | None:
     """(what a loop's buffers and graphs are shaped by, the addresses and state they were captured
     with); None when a processor holds something other than plain values (its graph would bake
-    in a tensor the next call may not pass again)."""
-    procs = []
-    for p in processors or ():
-        if any(type(v) not in _SCALARS for v in vars(p).values()):
-            return None
-        procs.append((type(p).__name__, tuple(sorted(vars(p).items()))))
+    in a tensor the next call may not pass again). ``procs_key``: :func:`.logits_processors.key`
+    of ``processors`` when the caller read it already (``()``: read it here)."""
+    procs = logits_processors.key(processors) if procs_key == () else procs_key
+    if procs is None:
+        return None
     dev = input_ids.device
     shape = (
         type(model),
@@ -577,7 +581,7 @@ def _loop_key(
         _cache_length(cache),
         str(dev),
         bool(generation_config.do_sample),
-        tuple(procs),
+        procs,
         eos_key,
         attention,
         options,
@@ -595,14 +599,14 @@ def _loop_key(
 
 
 def _loop_for(
-    model, input_ids, processors, generation_config, eos, eos_key, cache, options: DecodeOptions
+    model, input_ids, processors, generation_config, eos, eos_key, cache, options: DecodeOptions, procs_key=()
 ) -> tuple[_Loop, bool]:
     """(the loop for this call, whether an earlier call's); at most ``KEEP`` per model, most recent
     first, and one per shape and ``options`` (resolved): a loop whose addresses or state no longer
     match is replaced. Host work only (no device sync): it runs while the prompt's forward does."""
     device = input_ids.device
     attention = gqa_attention.choice(model, device, input_ids.shape[0], options.triton_attention)
-    key = _loop_key(model, input_ids, processors, generation_config, eos_key, cache, attention, options)
+    key = _loop_key(model, input_ids, processors, generation_config, eos_key, cache, attention, options, procs_key)
     if key is not None:
         kept = _LOOPS.setdefault(model, collections.OrderedDict())
         entry = kept.get(key[0])
@@ -616,6 +620,7 @@ def _loop_for(
         eos,
         bool(generation_config.do_sample),
         features.plan(model, device, attention, options),
+        list(processors or ()),
     )
     if key is not None:
         kept[key[0]] = (key[1], loop)
@@ -732,13 +737,25 @@ def decode(
     cache = model_kwargs["past_key_values"]
     eos = _eos_ids(stopping_criteria, input_ids.device)
     eos_key = None if eos is None else tuple(eos.tolist())  # read before the prefill is queued
+    procs_key = logits_processors.key(logits_processor)  # the same (processors' EOS ids)
     mask, positions = _prompt_inputs(input_ids, model_kwargs)
     # the prompt's forward is queued first: the host looks up (or builds) the loop while it runs
     logits, prefill = _prefill(model, input_ids, mask, positions, cache, options.compile_prefill)
-    loop, kept = _loop_for(model, input_ids, logits_processor, generation_config, eos, eos_key, cache, options)
+    loop, kept = _loop_for(
+        model, input_ids, logits_processor, generation_config, eos, eos_key, cache, options, procs_key
+    )
     try:
         loop.start(
-            model, input_ids, mask, positions, cache, logits_processor, generation_config, stopping_criteria, budget
+            model,
+            input_ids,
+            mask,
+            positions,
+            cache,
+            logits_processor,
+            generation_config,
+            stopping_criteria,
+            budget,
+            logits.shape[-1],
         )
         runner = _Runner(loop, graph_steps)
         loop._choose(logits)  # the first token, from the prompt's logits

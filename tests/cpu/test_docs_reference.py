@@ -329,6 +329,7 @@ def test_every_package_exception_is_a_heading():
 REASON_SOURCES = (
     ("generation/compiled_decode.py", ("resolve", "region_allows")),
     ("decode/static_loop.py", ("unsupported", "step", "_prefill")),
+    ("decode/logits_processors.py", ("unsupported",)),
     ("generation/lockstep.py", ("_valid_auto_compile_criteria",)),
 )
 _REASON_TARGETS = {"reason", "why"}

@@ -167,8 +167,14 @@ def _static_loop_batches_rank():
     engine.eval()
     run("trained_eager", decode="eager")
     run("trained", decode="compiled")
-    run("trained_rep_eager", decode="eager", repetition_penalty=1.3)
-    run("trained_rep", decode="compiled", repetition_penalty=1.3)  # transformers' compiled loop
+    # processors that read the sequence so far, computed on the loop's buffers: transformers' tokens
+    procs = dict(repetition_penalty=1.3, min_new_tokens=3)
+    run("trained_rep_eager", decode="eager", **procs)
+    run("trained_rep", decode="compiled", **procs)
+    run("trained_rep_sampled_eager", seed=5 + rank, decode="eager", do_sample=True, top_k=12, **procs)
+    run("trained_rep_sampled", seed=5 + rank, decode="compiled", do_sample=True, top_k=12, **procs)
+    run("trained_ngram_eager", decode="eager", no_repeat_ngram_size=2)
+    run("trained_ngram", decode="compiled", no_repeat_ngram_size=2)  # transformers' compiled loop
     out["trained"]["engine_steps"] = engine.global_steps
     return out
 
@@ -249,9 +255,14 @@ def test_the_compiled_step_survives_the_engines_training_steps(batch_results):
         assert t["engine_steps"] == 2
         assert t["loop"] == "hf_zero3" and t["decode"] == "compiled", _fields(t)
         assert t["out"] == r["trained_eager"]["out"] and t["forwards"] == r["trained_eager"]["forwards"]
-        rep = r["trained_rep"]
-        assert rep["loop"] == "transformers" and rep["decode"] == "compiled", rep
-        assert rep["out"] == r["trained_rep_eager"]["out"]
+        for name in ("trained_rep", "trained_rep_sampled"):  # repetition_penalty, min_new_tokens
+            rep = r[name]
+            assert rep["loop"] == "hf_zero3" and rep["decode"] == "compiled", _fields(rep)
+            assert rep["out"] == r[name + "_eager"]["out"]
+        assert r["trained_rep"]["out"] != r["trained"]["out"]  # the processors changed the tokens
+        ngram = r["trained_ngram"]
+        assert ngram["loop"] == "transformers" and "NoRepeatNGram" in ngram["loop_reason"], _fields(ngram)
+        assert ngram["out"] == r["trained_ngram_eager"]["out"]
 
 
 def test_a_forward_that_stops_compiling_mid_call_finishes_eagerly(batch_results):
