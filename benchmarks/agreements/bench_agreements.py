@@ -12,6 +12,14 @@ Part 2, one rank (the GPU when present, else a tiny model on CPU): a lockstep ge
 agreements are counted from its report, the step's are Zero3Safe's one per step plus the memory
 plan's gate (two per step). share = agreements x (tagged - raw) / time (``tag_share_pct``), and
 agreements x tagged / time for the whole cost (``agree_share_pct``).
+Part 3, scaling: the stop agreement (one tagged value, as the decode loop's ``agree_unfinished``)
+over ``BENCH_AGREE_WORLDS`` gloo processes on this host (default 2,4,8,16; fewer calls each as the
+group grows), fitted to latency = a + b * log2(ranks) and to a + b * (ranks - 1) by least squares,
+and the better fit's modelled overhead of one rollout at 8, 64 and 512 ranks for every
+``sync_every`` in 1, 4, 8, 16: agreements = ceil(127 / sync_every) stop checks + 4 per call
+(start, budget, gather, end), against a rollout of ``BENCH_ROLLOUT_S`` seconds (default 0.176: the
+1B shape, batch 64, 128 new tokens on one H200, RESULTS.md). Processes past the host's cores share
+them, so the larger groups measure an upper bound. ``BENCH_AGREE_PARTS=scaling`` runs part 3 alone.
 Run: python benchmarks/agreements/bench_agreements.py
 """
 
@@ -27,6 +35,9 @@ sys.path.insert(0, os.path.dirname(HERE))
 from common import llama_1b_config, record, table  # noqa: E402
 
 CALLS = int(os.environ.get("BENCH_AGREE_CALLS", 2000))
+WORLDS = [int(w) for w in os.environ.get("BENCH_AGREE_WORLDS", "2,4,8,16").split(",")]
+ROLLOUT_S = float(os.environ.get("BENCH_ROLLOUT_S", 0.176))
+PARTS = os.environ.get("BENCH_AGREE_PARTS", "all")
 STEP_AGREEMENTS = 3  # Zero3Safe.on_step_begin + the gate's agree_launch for the forward and backward graph
 
 
@@ -54,6 +65,72 @@ def _latencies():
                 samples.append(time.perf_counter() - t)
             out[f"{name}_{n_values}"] = statistics.median(samples) * 1e6
     return out
+
+
+def _stop_agreement_us(calls: int) -> float:
+    """Median microseconds of the decode loop's stop agreement (one tagged value) on this group."""
+    from hf_zero3.agree import Tag, agree
+
+    def once():
+        agree(Tag("generate.stop", {"stop": "sync"}, 1, 0), None, [1])
+
+    for _ in range(20):
+        once()
+    samples = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        once()
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples) * 1e6
+
+
+def _fit(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
+    """Least squares y = a + b x: (a, b, R^2)."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    a = my - b * mx
+    ss = sum((y - my) ** 2 for y in ys)
+    r2 = 1 - sum((y - a - b * x) ** 2 for x, y in zip(xs, ys)) / ss if ss else 1.0
+    return a, b, r2
+
+
+def scaling() -> tuple[list[dict], list[dict]]:
+    """Part 3: measured latency per world size, and the fitted model's rollout overhead."""
+    import math
+
+    from hf_zero3.testing import run_ranks
+
+    measured = []
+    for world in WORLDS:
+        calls = max(200, CALLS // max(1, world // 2))
+        us = run_ranks(_stop_agreement_us, world, args=(calls,), timeout=900, pg_timeout=120)
+        measured.append({"ranks": world, "median_us": statistics.median(us), "max_rank_us": max(us), "calls": calls})
+    xs = [r["ranks"] for r in measured]
+    ys = [r["max_rank_us"] for r in measured]
+    fits = {
+        "a + b log2(ranks)": (_fit([math.log2(x) for x in xs], ys), lambda n: math.log2(n)),
+        "a + b (ranks - 1)": (_fit([x - 1 for x in xs], ys), lambda n: n - 1),
+    }
+    name = max(fits, key=lambda k: fits[k][0][2])
+    (a, b, r2), shape = fits[name]
+    model = []
+    for ranks in (8, 64, 512):
+        us = a + b * shape(ranks)
+        for every in (1, 4, 8, 16):
+            agreements = math.ceil(127 / every) + 4
+            model.append(
+                {
+                    "ranks": ranks,
+                    "sync_every": every,
+                    "agreement_us": us,
+                    "agreements": agreements,
+                    "overhead_pct": 100 * agreements * us / 1e6 / ROLLOUT_S,
+                    "fit": f"{name}: a={a:.1f} us, b={b:.1f} us, R^2={r2:.3f}",
+                }
+            )
+    return measured, model
 
 
 def _gpu_times():
@@ -115,6 +192,19 @@ def _gpu_times():
 def main():
     from hf_zero3.testing import run_ranks
 
+    measured, model = scaling() if PARTS in ("all", "scaling") else ([], [])
+    if measured:
+        print(table(measured, ["ranks", "median_us", "max_rank_us", "calls"]))
+        print(model[0]["fit"])
+        print(table(model, ["ranks", "sync_every", "agreement_us", "agreements", "overhead_pct"]))
+        for r in measured:
+            r["part"] = "scaling"
+        for r in model:
+            r["part"] = "model"
+        setup = {"worlds": WORLDS, "backend": "gloo", "rollout_s": ROLLOUT_S, "calls": CALLS}
+        print(f"raw rows appended to {record('agreements', measured + model, HERE, setup)}")
+    if PARTS == "scaling":
+        return
     lat = run_ranks(_latencies, 2, timeout=600, pg_timeout=60)[0]
     times = run_ranks(
         _gpu_times, 1, backend="nccl" if _cuda() else "gloo", init="deepspeed", timeout=600, pg_timeout=120

@@ -61,9 +61,12 @@ def _compiled_two_ranks():
     run("compiled_early", early_prompt, gather="all", decode="compiled", sync_every=2)
     run("eager_early", early_prompt, gather="all", decode="eager", sync_every=2)
     run("eager_fixed", prompt, gather="all", decode="eager", stop="fixed")
-    # a processor the static loop does not capture: transformers' compiled loop, and it says why
+    # a processor the static loop computes on its buffers (repetition_penalty), and one it does not
+    # take (no_repeat_ngram_size): transformers' compiled loop, and it says why
     run("compiled_rep", prompt, gather="all", decode="compiled", repetition_penalty=1.3)
     run("eager_rep", prompt, gather="all", decode="eager", repetition_penalty=1.3)
+    run("compiled_ngram", prompt, gather="all", decode="compiled", no_repeat_ngram_size=2)
+    run("eager_ngram", prompt, gather="all", decode="eager", no_repeat_ngram_size=2)
     # another prompt length in the same 64-token bucket: the compiled step is reused
     other = (sc.late[1] if rank == 0 else early_prompt)[: max(2, len(prompt) - 3)]
     run("eager_other", other, gather="all", decode="eager")
@@ -107,8 +110,10 @@ def test_static_loop_runs_and_matches_transformers_loop_in_every_stop_mode(resul
                 assert r[name][key] == eager[key], (name, key, r[name][key], eager[key])
         assert r["compiled_fixed"]["stat_forwards"] == r["steps"]
         assert r["compiled_early"]["stat_forwards"] < r["steps"]  # every row done: the group stopped early
-        assert r["compiled_rep"]["loop"] == "transformers" and "RepetitionPenalty" in r["compiled_rep"]["loop_reason"]
-        assert r["compiled_rep"]["decode"] == "compiled" and r["compiled_rep"]["out"] == r["eager_rep"]["out"]
+        assert r["compiled_rep"]["loop"] == "hf_zero3" and r["compiled_rep"]["out"] == r["eager_rep"]["out"]
+        ngram = r["compiled_ngram"]
+        assert ngram["loop"] == "transformers" and "NoRepeatNGram" in ngram["loop_reason"], ngram
+        assert ngram["decode"] == "compiled" and ngram["out"] == r["eager_ngram"]["out"]
 
 
 def test_divergent_eos_and_equal_forwards_on_every_rank(results):
