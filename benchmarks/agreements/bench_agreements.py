@@ -53,8 +53,8 @@ def _latencies():
         vals = list(range(n_values))
         for name, fn in (
             ("raw", lambda: dist.all_reduce(torch.tensor(vals, dtype=torch.int64), group=group)),
-            ("tagged", lambda: agree(Tag("bench", {"stop": "sync"}, 1, 0), None, vals)),
-            ("recorded", lambda: agree(Tag("bench", {"stop": "sync"}, 1, 0), None, vals, record=True)),
+            ("tagged", lambda: agree(Tag("bench", {"stop": "sync"}, 1), None, vals)),
+            ("recorded", lambda: agree(Tag("bench", {"stop": "sync"}, 1), None, vals, record=True)),
         ):
             for _ in range(50):
                 fn()
@@ -72,7 +72,7 @@ def _stop_agreement_us(calls: int) -> float:
     from hf_zero3.agree import Tag, agree
 
     def once():
-        agree(Tag("generate.stop", {"stop": "sync"}, 1, 0), None, [1])
+        agree(Tag("generate.step", {"stop": "sync"}, 1), None, [1])
 
     for _ in range(20):
         once()
@@ -106,7 +106,15 @@ def scaling() -> tuple[list[dict], list[dict]]:
     for world in WORLDS:
         calls = max(200, CALLS // max(1, world // 2))
         us = run_ranks(_stop_agreement_us, world, args=(calls,), timeout=900, pg_timeout=120)
-        measured.append({"ranks": world, "median_us": statistics.median(us), "max_rank_us": max(us), "calls": calls})
+        measured.append(
+            {
+                "ranks": world,
+                "median_us": statistics.median(us),
+                "max_rank_us": max(us),
+                "calls": calls,
+                "oversubscribed": world > (os.cpu_count() or 1),  # processes share cores: an upper bound
+            }
+        )
     xs = [r["ranks"] for r in measured]
     ys = [r["max_rank_us"] for r in measured]
     fits = {
@@ -194,14 +202,16 @@ def main():
 
     measured, model = scaling() if PARTS in ("all", "scaling") else ([], [])
     if measured:
-        print(table(measured, ["ranks", "median_us", "max_rank_us", "calls"]))
+        print(table(measured, ["ranks", "median_us", "max_rank_us", "calls", "oversubscribed"]))
+        if any(r["oversubscribed"] for r in measured):
+            print(f"more processes than this host's {os.cpu_count()} cores: those rows, and the fit, are upper bounds")
         print(model[0]["fit"])
         print(table(model, ["ranks", "sync_every", "agreement_us", "agreements", "overhead_pct"]))
         for r in measured:
             r["part"] = "scaling"
         for r in model:
             r["part"] = "model"
-        setup = {"worlds": WORLDS, "backend": "gloo", "rollout_s": ROLLOUT_S, "calls": CALLS}
+        setup = {"worlds": WORLDS, "backend": "gloo", "rollout_s": ROLLOUT_S, "calls": CALLS, "cores": os.cpu_count()}
         print(f"raw rows appended to {record('agreements', measured + model, HERE, setup)}")
     if PARTS == "scaling":
         return
