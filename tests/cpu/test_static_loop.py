@@ -173,6 +173,10 @@ def _static_loop_batches_rank():
     run("trained_rep", decode="compiled", **procs)
     run("trained_rep_sampled_eager", seed=5 + rank, decode="eager", do_sample=True, top_k=12, **procs)
     run("trained_rep_sampled", seed=5 + rank, decode="compiled", do_sample=True, top_k=12, **procs)
+    # temperature, top-k, top-p and min-p together, two sequences per prompt (TRL's num_generations)
+    many = dict(do_sample=True, temperature=0.9, top_k=20, top_p=0.95, min_p=0.05, num_return_sequences=2)
+    run("trained_many_eager", seed=9 + rank, decode="eager", **many)
+    run("trained_many", seed=9 + rank, decode="compiled", **many)
     run("trained_ngram_eager", decode="eager", no_repeat_ngram_size=2)
     run("trained_ngram", decode="compiled", no_repeat_ngram_size=2)  # transformers' compiled loop
     out["trained"]["engine_steps"] = engine.global_steps
@@ -260,6 +264,9 @@ def test_the_compiled_step_survives_the_engines_training_steps(batch_results):
             assert rep["loop"] == "hf_zero3" and rep["decode"] == "compiled", _fields(rep)
             assert rep["out"] == r[name + "_eager"]["out"]
         assert r["trained_rep"]["out"] != r["trained"]["out"]  # the processors changed the tokens
+        many = r["trained_many"]
+        assert many["loop"] == "hf_zero3" and many["out"] == r["trained_many_eager"]["out"], _fields(many)
+        assert len(many["out"]) == 6  # three prompts, two sequences each
         ngram = r["trained_ngram"]
         assert ngram["loop"] == "transformers" and "NoRepeatNGram" in ngram["loop_reason"], _fields(ngram)
         assert ngram["out"] == r["trained_ngram_eager"]["out"]
