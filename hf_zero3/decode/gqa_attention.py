@@ -303,7 +303,7 @@ def _rope_fits(m, hidden, cos, sin, layer, mask) -> bool:
         hidden.device.type
     ):
         return False
-    if not (hidden.is_cuda or gqa_decode._state.get("interpret", False)):
+    if not (hidden.is_cuda or gqa_decode.runs_on_cpu()):
         return False
     if cos.shape != sin.shape or cos.dim() != 3 or cos.shape[0] not in (1, b) or tuple(cos.shape[1:]) != (1, d):
         return False

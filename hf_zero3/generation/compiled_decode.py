@@ -39,7 +39,8 @@ log = logging.getLogger("hf_zero3.generation")
 _SAID: set = set()
 
 
-def _say(reason: str, loud: bool) -> None:
+def say_eager(reason: str, loud: bool) -> None:
+    """Why the call decodes eagerly, once per distinct reason."""
     say_once(f"eager decoding: {reason}", loud)
 
 
@@ -92,7 +93,7 @@ def resolve(model, mode: str, kwargs: dict, deepcompile: bool = False) -> tuple[
     elif mode == "auto" and getattr(getattr(model, "device", None), "type", "cpu") != "cuda":
         reason = "decode='auto' compiles on CUDA only (decode='compiled' forces it)"
     if reason is not None:
-        _say(reason, loud=mode == "compiled")
+        say_eager(reason, loud=mode == "compiled")
         return False, reason
     return True, None
 

@@ -387,7 +387,7 @@ class Zero3GenerationMixin:
             ok, why = False, "the cache transformers prepared is not compileable"
         if not ok:
             call.stats.decode_reason = why
-            compiled_decode._say(why, loud=call.cfg.decode == "compiled")
+            compiled_decode.say_eager(why, loud=call.cfg.decode == "compiled")
             return False
         call.stats.decode = "compiled"
         return True

@@ -37,6 +37,7 @@ from . import _triton
 __all__ = [
     "NAME",
     "is_available",
+    "runs_on_cpu",
     "unavailable_reason",
     "load",
     "supports",
@@ -79,7 +80,12 @@ def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attent
         return False
     if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return False
-    return query.is_cuda or _state.get("interpret", False)
+    return query.is_cuda or runs_on_cpu()
+
+
+def runs_on_cpu() -> bool:
+    """The kernels were built under Triton's interpreter (then they run on CPU tensors too)."""
+    return _state.get("interpret", False)
 
 
 def pays(rows: int, kv_heads: int) -> bool:

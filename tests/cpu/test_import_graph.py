@@ -110,3 +110,40 @@ def test_no_module_takes_another_modules_private_names():
             native = {"_gate"} if target == "hf_zero3" else set()  # the compiled extension (setup.py)
             bad += [f"{name} takes {target}.{n}" for n in names if n.startswith("_") and n not in native]
     assert not bad, bad
+
+
+def _module_aliases(name: str, path: Path, modules: dict[str, Path]) -> dict[str, str]:
+    """Local names in ``path`` bound to another hf_zero3 module (``from . import agree``,
+    ``from ..kernels import gqa_decode as g``, ``import hf_zero3.runtime as rt``)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = {}
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update({a.asname: a.name for a in node.names if a.asname and a.name in modules})
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            for alias in node.names:
+                if f"{target}.{alias.name}" in modules:
+                    out[alias.asname or alias.name] = f"{target}.{alias.name}"
+    return out
+
+
+def test_no_module_reads_another_modules_private_attributes():
+    """The same rule for attribute reads: ``gqa_decode._state`` from another package is a private
+    read (a module's own package and the ``_upstream`` layer exempt)."""
+    modules = _modules()
+    bad = []
+    for name, path in modules.items():
+        aliases = _module_aliases(name, path, modules)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)):
+                continue
+            target = aliases.get(node.value.id)
+            if target is None or target.startswith("hf_zero3._upstream"):
+                continue
+            if target.rpartition(".")[0] == name.rpartition(".")[0]:
+                continue  # a sibling in the same package
+            if node.attr.startswith("_") and not node.attr.startswith("__"):
+                bad.append(f"{name} reads {target}.{node.attr}")
+    assert not bad, sorted(set(bad))
