@@ -7,7 +7,9 @@ group-aware early stop, is still open). :func:`early_stop` hands the rollout's `
 lockstep generation with the tokenizer's EOS: decoding stops once every row of every rank of the
 gather group has ended (checked every ``sync_every`` steps), and the output is padded back to
 ``prompt + max_new_tokens`` columns, so DeepSpeed's post-processing returns exactly what it
-returned before.
+returned before. With the model gathered for the call (``gather="all"``) the rollout can decode
+through hf_zero3's compiled static loop (``decode="compiled"``, or ``"auto"`` on CUDA), with the
+same agreements and outputs.
 """
 
 from __future__ import annotations
@@ -18,11 +20,19 @@ import torch
 
 from .._upstream import deepspeed as ds_up
 from ..generation.lockstep import lockstep
+from ..options import DecodeOptions
 
 __all__ = ["early_stop"]
 
 
-def early_stop(rollout, *, sync_every: int = 1, gather: str = "auto"):
+def early_stop(
+    rollout,
+    *,
+    sync_every: int = 1,
+    gather: str = "auto",
+    decode: str = "auto",
+    decode_options: DecodeOptions | None = None,
+):
     """Give ``rollout`` (a ``deepspeed.runtime.rollout.HybridEngineRollout``) an early stop; returns it.
 
     Covers the default ``model.generate()`` path (greedy and sampling). DeepSpeed's own CUDA-graph
@@ -30,11 +40,13 @@ def early_stop(rollout, *, sync_every: int = 1, gather: str = "auto"):
     engine's model is left in lockstep (:func:`hf_zero3.lockstep`): its other ``generate()`` calls
     agree their stop too, as every ZeRO-3 generation must.
     ``model.hf_zero3_last_generate.forwards`` tells how many decode forwards the last call ran.
+    ``gather``, ``decode`` and ``decode_options`` are :func:`hf_zero3.lockstep`'s (``gather="all"``
+    with ``decode="compiled"``: the static decode loop; ``loop`` in the report says which ran).
     """
     if getattr(rollout.generate, "_hf_zero3", False):
         return rollout
     engine = rollout.engine
-    lockstep(engine, stop="sync", sync_every=sync_every, gather=gather)
+    lockstep(engine, stop="sync", sync_every=sync_every, gather=gather, decode=decode, decode_options=decode_options)
     module = ds_up.hybrid_rollout_module(rollout)
     tokenizer = ds_up.hybrid_rollout_tokenizer(rollout)
     original = rollout.generate

@@ -481,20 +481,28 @@ def _rollout_run():
     hf_zero3.trl.early_stop(rollout)
     out["fixed_greedy"] = run("early-stop greedy", greedy)
     out["fixed_sample"] = run("early-stop sample", sample)
+    # the same rollout through hf_zero3's compiled static loop (the model gathered for the call)
+    hf_zero3.lockstep(engine, sync_every=1, gather="all", decode="compiled")
+    out["loop_greedy"] = run("early-stop greedy, static loop", greedy)
+    out["loop_greedy"]["loop"] = engine.module.hf_zero3_last_generate.loop
+    out["loop_sample"] = run("early-stop sample, static loop", sample)
+    out["loop_sample"]["loop"] = engine.module.hf_zero3_last_generate.loop
     return out
 
 
 @pytest.fixture(scope="module")
 def rollout_results():
-    return run_ranks(_rollout_run, 2, timeout=150, pg_timeout=20)
+    return run_ranks(_rollout_run, 2, timeout=300, pg_timeout=20)
 
 
 @pytest.mark.parametrize("mode", ["greedy", "sample"])
 def test_rollout_early_stop_keeps_outputs(rollout_results, mode):
     for res in rollout_results:
-        plain, fixed = res[f"plain_{mode}"], res[f"fixed_{mode}"]
+        plain, fixed, loop = res[f"plain_{mode}"], res[f"fixed_{mode}"], res[f"loop_{mode}"]
+        assert loop["loop"] == "hf_zero3", loop
         for key in ("input_ids", "attention_mask", "response_start_idx"):
             assert fixed[key] == plain[key], key
+            assert loop[key] == plain[key], key
         assert len(plain["input_ids"][0]) == res["prompt_len"] + ROLLOUT_STEPS
 
 
@@ -507,6 +515,7 @@ def test_rollout_early_stop_stops_at_the_groups_last_eos(rollout_results):
     # early stop (sync_every=1): the forward that produced the group's last EOS is the last one
     assert r0["fixed_greedy"]["forwards"] == r1["fixed_greedy"]["forwards"] == longest
     assert r0["fixed_greedy"]["stats_forwards"] == longest
+    assert r0["loop_greedy"]["stats_forwards"] == r1["loop_greedy"]["stats_forwards"] == longest
     # each rank's rows did end early in the plain output too (EOS kept, padding after it)
     for res in rollout_results:
         start = res["plain_greedy"]["response_start_idx"][0]
