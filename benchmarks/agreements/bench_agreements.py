@@ -56,32 +56,27 @@ def _latencies():
             ("tagged", lambda: agree(Tag("bench", {"stop": "sync"}, 1), None, vals)),
             ("recorded", lambda: agree(Tag("bench", {"stop": "sync"}, 1), None, vals, record=True)),
         ):
-            for _ in range(50):
-                fn()
-            samples = []
-            for _ in range(CALLS):
-                t = time.perf_counter()
-                fn()
-                samples.append(time.perf_counter() - t)
-            out[f"{name}_{n_values}"] = statistics.median(samples) * 1e6
+            out[f"{name}_{n_values}"] = _median_us(fn, CALLS, warmup=50)
     return out
+
+
+def _median_us(fn, calls: int, warmup: int) -> float:
+    """Median microseconds of ``calls`` calls of ``fn`` after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples) * 1e6
 
 
 def _stop_agreement_us(calls: int) -> float:
     """Median microseconds of the decode loop's stop agreement (one tagged value) on this group."""
     from hf_zero3.agree import Tag, agree
 
-    def once():
-        agree(Tag("generate.step", {"stop": "sync"}, 1), None, [1])
-
-    for _ in range(20):
-        once()
-    samples = []
-    for _ in range(calls):
-        t = time.perf_counter()
-        once()
-        samples.append(time.perf_counter() - t)
-    return statistics.median(samples) * 1e6
+    return _median_us(lambda: agree(Tag("generate.step", {"stop": "sync"}, 1), None, [1]), calls, warmup=20)
 
 
 def _fit(xs: list[float], ys: list[float]) -> tuple[float, float, float]:

@@ -117,19 +117,12 @@ class Attention(Feature):
 
     def __init__(self, name: str | None):
         self.name = name
-        self.model = None
-
-    def bind(self, model, cache) -> None:
-        self.model = model
 
     def use(self, loop):
-        return gqa_attention.use(self.model, self.name)
+        return gqa_attention.use(loop.model, self.name)
 
     def report(self, into: DecodeReport, compiled: bool) -> None:
         into.attention = self.name
-
-    def end(self) -> None:
-        self.model = None
 
 
 class FusedQKV(Feature):

@@ -144,6 +144,10 @@ class LoopProcessors:
                 scores = proc(prompt, scores)  # tensor-only: the ids are not read
         return scores
 
+    def end(self) -> None:
+        """The call ended: drop its processor objects (the buffers stay for the next call)."""
+        self.procs = []
+
     def record(self, token: torch.Tensor) -> None:
         """After the step's token (pad for a finished row) was recorded."""
         for seen in self.seen.values():

@@ -66,12 +66,10 @@ from .._upstream import transformers as hf_up
 from ..options import DecodeOptions
 from . import families, features, gqa_attention, logits_processors
 
-__all__ = ["GRAPH_SAFE_PROCESSORS", "GRAPH_SAFE_CRITERIA", "unsupported", "decode", "failure", "release"]
+__all__ = ["GRAPH_SAFE_CRITERIA", "unsupported", "decode", "failure", "release"]
 
 log = logging.getLogger("hf_zero3.generation")
 
-# Processors the loop runs inside its captured steps (see .logits_processors).
-GRAPH_SAFE_PROCESSORS = logits_processors.TENSOR_ONLY | frozenset(logits_processors.COMPUTED)
 # Criteria the loop computes itself: the step budget, and EOS on the token just chosen.
 GRAPH_SAFE_CRITERIA = frozenset({"MaxLengthCriteria", "EosTokenCriteria"})
 _MODEL_KWARGS = frozenset(
@@ -393,6 +391,7 @@ class _Loop:
     def end(self) -> None:
         for f in self.features:
             f.end()
+        self.logits.end()
         self.model = self.cache = self.prompt = self.processors = self.call = None
 
     def bind_cache(self) -> None:
@@ -565,13 +564,11 @@ def _loop_key(
     cache,
     attention: str | None,
     options: DecodeOptions,
-    procs_key: tuple | None = (),
 ) -> tuple[tuple, tuple] | None:
     """(what a loop's buffers and graphs are shaped by, the addresses and state they were captured
     with); None when a processor holds something other than plain values (its graph would bake
-    in a tensor the next call may not pass again). ``procs_key``: :func:`.logits_processors.key`
-    of ``processors`` when the caller read it already (``()``: read it here)."""
-    procs = logits_processors.key(processors) if procs_key == () else procs_key
+    in a tensor the next call may not pass again)."""
+    procs = logits_processors.key(processors)
     if procs is None:
         return None
     dev = input_ids.device
@@ -599,14 +596,14 @@ def _loop_key(
 
 
 def _loop_for(
-    model, input_ids, processors, generation_config, eos, eos_key, cache, options: DecodeOptions, procs_key=()
+    model, input_ids, processors, generation_config, eos, eos_key, cache, options: DecodeOptions
 ) -> tuple[_Loop, bool]:
     """(the loop for this call, whether an earlier call's); at most ``KEEP`` per model, most recent
     first, and one per shape and ``options`` (resolved): a loop whose addresses or state no longer
     match is replaced. Host work only (no device sync): it runs while the prompt's forward does."""
     device = input_ids.device
     attention = gqa_attention.choice(model, device, input_ids.shape[0], options.triton_attention)
-    key = _loop_key(model, input_ids, processors, generation_config, eos_key, cache, attention, options, procs_key)
+    key = _loop_key(model, input_ids, processors, generation_config, eos_key, cache, attention, options)
     if key is not None:
         kept = _LOOPS.setdefault(model, collections.OrderedDict())
         entry = kept.get(key[0])
@@ -737,13 +734,10 @@ def decode(
     cache = model_kwargs["past_key_values"]
     eos = _eos_ids(stopping_criteria, input_ids.device)
     eos_key = None if eos is None else tuple(eos.tolist())  # read before the prefill is queued
-    procs_key = logits_processors.key(logits_processor)  # the same (processors' EOS ids)
     mask, positions = _prompt_inputs(input_ids, model_kwargs)
     # the prompt's forward is queued first: the host looks up (or builds) the loop while it runs
     logits, prefill = _prefill(model, input_ids, mask, positions, cache, options.compile_prefill)
-    loop, kept = _loop_for(
-        model, input_ids, logits_processor, generation_config, eos, eos_key, cache, options, procs_key
-    )
+    loop, kept = _loop_for(model, input_ids, logits_processor, generation_config, eos, eos_key, cache, options)
     try:
         loop.start(
             model,
