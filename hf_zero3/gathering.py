@@ -34,6 +34,7 @@ from .runtime import runtime_of
 __all__ = [
     "GatherPlan",
     "gathered_forwards",
+    "region_facts",
     "active_plan",
     "free_bytes",
     "GATHER_MODES",
@@ -103,14 +104,23 @@ def _local_facts(model: nn.Module, mode: str, layer_hooks: str) -> tuple[list[in
     return [-fits, held, -held, -free], need
 
 
-def _decide(rt, model: nn.Module, mode: str, layer_hooks: str, op: str, group) -> GatherPlan:
-    error, facts, need = None, [0, 0, 0, 0], 0
+def region_facts(model: nn.Module, mode: str, layer_hooks: str = "auto") -> tuple[list[int], int, Exception | None]:
+    """This rank's facts for a region's decision, to agree in another agreement that precedes the
+    region (``gathered_forwards(..., agreed=...)``): (4 values, bytes needed, the local error)."""
     try:
         facts, need = _local_facts(model, mode, layer_hooks)
-    except Exception as exc:  # shared below: every rank raises it
-        error = exc
-    # one agreement: the tag carries the mode (must match), the values who fits / who holds
-    neg_fits_min, held_max, neg_held_min, neg_free_min = rt.agree(op, facts, error=error, group=group, gather=mode)
+        return facts, need, None
+    except Exception as exc:  # the caller shares it in its agreement: every rank raises it
+        return [0, 0, 0, 0], 0, exc
+
+
+def _decide(rt, model: nn.Module, mode: str, layer_hooks: str, op: str, group, agreed=None) -> GatherPlan:
+    if agreed is not None:  # agreed already, in the agreement that opened the caller's operation
+        (neg_fits_min, held_max, neg_held_min, neg_free_min), need = agreed
+    else:
+        facts, need, error = region_facts(model, mode, layer_hooks)
+        # one agreement: the tag carries the mode (must match), the values who fits / who holds
+        neg_fits_min, held_max, neg_held_min, neg_free_min = rt.agree(op, facts, error=error, group=group, gather=mode)
     if held_max != -neg_held_min:
         raise RuntimeError(
             "hf_zero3: the model's parameters are already gathered on some ranks of its group but not on "
@@ -128,7 +138,7 @@ def _decide(rt, model: nn.Module, mode: str, layer_hooks: str, op: str, group) -
 
 @contextlib.contextmanager
 def gathered_forwards(
-    model_or_engine, mode: str = "auto", group=None, layer_hooks: str = "auto", op: str = "region"
+    model_or_engine, mode: str = "auto", group=None, layer_hooks: str = "auto", op: str = "region", agreed=None
 ) -> Iterator[GatherPlan]:
     """Within the block, forwards of the model see full parameters on every rank.
 
@@ -139,6 +149,9 @@ def gathered_forwards(
     layer by layer: ``"auto"`` (DeepSpeed's hooks while they are live; hf_zero3's once DeepCompile
     removed them or when no engine ever added them), ``"deepspeed"`` or ``"hf_zero3"``.
     Outside ZeRO-3 it does nothing. ``group`` overrides the parameters' own gather group.
+    ``agreed``: the group's reduction of every rank's :func:`region_facts` values, with this rank's
+    bytes needed, from an agreement the caller ran just before (a ``generate()`` call's first: one
+    agreement fewer per call); the region then runs none of its own.
     """
     model = runtime.unwrap(model_or_engine)
     if not zero3.is_zero3_model(model):
@@ -148,7 +161,7 @@ def gathered_forwards(
     if rt.region is not None:  # nested (generate inside an eval loop): the outer region serves
         yield rt.region.plan
         return
-    plan = _decide(rt, model, mode, layer_hooks, op, group)
+    plan = _decide(rt, model, mode, layer_hooks, op, group, agreed)
     with contextlib.ExitStack() as stack:
         rt.region = Region(plan)
         stack.callback(setattr, rt, "region", None)

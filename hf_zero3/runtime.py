@@ -53,6 +53,7 @@ class Runtime:
         self.memory_plan = None  # MemoryPlanPass bound to this engine
         self.memory_plan_config = None
         self.join = None  # TRL call alignment: this rank only joins others' calls
+        self.trl_trainer = None  # the TRL trainer (its class name) whose rollouts this model generates
         self._busy = threading.Lock()  # one generate() at a time per model (threads queue)
         self._key: int | None = None
 

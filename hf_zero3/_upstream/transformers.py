@@ -347,3 +347,11 @@ def static_cache_counters_on(cache, device) -> int:
             layer.cumulative_length = torch.full(n.shape, int(n), dtype=n.dtype, device=device)
             moved += 1
     return moved
+
+
+def decoder_only_output(sequences, cache):
+    """What transformers' ``_sample`` returns under ``return_dict_in_generate`` when no per-step
+    output was asked for: its output class with the sequences and the cache."""
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    return GenerateDecoderOnlyOutput(sequences=sequences, past_key_values=cache)

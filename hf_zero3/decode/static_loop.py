@@ -11,11 +11,13 @@ argmax, EOS masking. On CUDA those steps are captured into CUDA graphs of severa
 (``graph_steps``), replayed between two lockstep stop agreements with no host sync in between;
 on CPU the same steps run one by one.
 
-Lockstep semantics are those of the transformers loop it replaces (:mod:`.lockstep`): the same
-agreed step budget, a stop agreement every ``sync_every`` steps (``stop="sync"``) or none
-(``stop="fixed"``), the same number of forwards on every rank, EOS masking with the pad token,
-and the same output (a rank's output ends where its own rows were all done). Ranks that take
-this loop and ranks that take transformers' issue the same agreements at the same steps.
+Lockstep semantics are those of the transformers loop it replaces under compiled decoding
+(:mod:`.lockstep`): the same agreed step budget, a stop agreement every ``sync_every`` steps on
+the previous check's flags (``stop="sync"``; :func:`~hf_zero3.generation.lockstep.stop_schedule`:
+the flags are a device copy read one check late, so no check waits for the GPU) or none
+(``stop="fixed"``), the same number of forwards on every rank, EOS masking with the pad token, and
+the same output (a rank's output ends where its own rows were all done). Ranks that take this loop
+and ranks that take transformers' compiled loop issue the same agreements at the same steps.
 
 Across calls: the loop (its static buffers and CUDA graphs) is kept per model and shape (batch,
 cache length, sampling, processors and their values, EOS ids; at most ``KEEP`` per model) and a
@@ -116,7 +118,9 @@ def unsupported(
     if streamer is not None:
         return "a streamer was passed"
     if generation_config.return_dict_in_generate:
-        return "return_dict_in_generate=True"
+        asked = [k for k in _PER_STEP_OUTPUTS if getattr(generation_config, k, False)]
+        if asked:  # the sequences alone (TRL's GKD and GOLD ask so) come back in transformers' output class
+            return f"return_dict_in_generate with {', '.join(asked)} (per-step outputs)"
     if getattr(generation_config, "is_assistant", False):
         return "assisted decoding"
     for p in logits_processor or ():
@@ -142,6 +146,10 @@ def unsupported(
     if length > room:
         return f"the static cache holds {room} tokens, fewer than prompt + new tokens ({length})"
     return None
+
+
+#: Generation options that ask transformers' loop for per-step tensors the static loop does not keep.
+_PER_STEP_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
 
 def _cache_length(cache) -> int:
@@ -716,6 +724,48 @@ class _Runner:
             n -= size
 
 
+class _Snapshot:
+    """A late stop check's value (:func:`hf_zero3.generation.lockstep.stop_schedule`): at each
+    check, whether some row was unfinished at the previous check. The flag is copied to pinned
+    host memory after the steps queued before a check and read at the next one, when those steps
+    have long run (the GPU is decoding the steps queued after them): no check waits for the GPU."""
+
+    def __init__(self, loop: _Loop):
+        self.loop = loop
+        cuda = loop.unfinished.is_cuda
+        self.host = torch.ones((), dtype=torch.bool, pin_memory=cuda)
+        self.event = torch.cuda.Event() if cuda else None
+
+    def previous(self) -> bool:
+        """The previous check's flag (True at the first check), then this check's snapshot."""
+        if self.event is not None:
+            self.event.synchronize()
+        seen = bool(self.host)
+        self.host.copy_(self.loop.unfinished.any(), non_blocking=self.event is not None)
+        if self.event is not None:
+            self.event.record()
+        return seen
+
+
+_TF32: list = []  # whether TF32 matmuls were on in the process's first static-loop call
+
+
+@contextlib.contextmanager
+def _tf32_pinned():
+    """TF32 matmuls on or off as in the process's first static-loop call, for this call. Dynamo
+    guards a compiled function on that global setting, and a trainer that flips it between
+    rollouts (GRPO under DeepCompile did) recompiled the prompt forward and the decode step at the
+    next rollout (~25 s each at a 0.5B shape); with the setting pinned they keep one graph."""
+    now = torch.backends.cuda.matmul.allow_tf32
+    if not _TF32:
+        _TF32.append(now)
+    torch.backends.cuda.matmul.allow_tf32 = _TF32[0]
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = now
+
+
 def decode(
     model,
     call,
@@ -730,6 +780,23 @@ def decode(
     """Generate with the static loop, in lockstep with ``call`` (a :class:`.lockstep._Call`): the
     agreements of transformers' loop under lockstep, at the same steps. ``options``: resolved
     (:meth:`DecodeOptions.resolved`)."""
+    with _tf32_pinned():
+        return _decode(
+            model,
+            call,
+            input_ids,
+            logits_processor,
+            stopping_criteria,
+            generation_config,
+            model_kwargs,
+            graph_steps,
+            options,
+        )
+
+
+def _decode(
+    model, call, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs, graph_steps, options
+) -> torch.Tensor:
     budget = int(call.budget)
     cache = model_kwargs["past_key_values"]
     eos = _eos_ids(stopping_criteria, input_ids.device)
@@ -754,12 +821,14 @@ def decode(
         runner = _Runner(loop, graph_steps)
         loop._choose(logits)  # the first token, from the prompt's logits
         loop.bind()
-        every, fixed = call.cfg.sync_every, call.cfg.stop == "fixed"
+        every, fixed = call.every, call.cfg.stop == "fixed"
+        seen = _Snapshot(loop) if call.late else None
         tokens = 1  # the prefill chose token 1; before forward k + 1 the loop asks to go on (k = tokens)
         while tokens < budget:
             nxt = budget if fixed else min(budget, (tokens // every + 1) * every)
             if not fixed and tokens % every == 0:
-                if not call.agree_unfinished(call.rt.join is None and not loop.finished()):
+                unfinished = seen.previous() if seen is not None else not loop.finished()
+                if not call.agree_late(call.rt.join is None and unfinished):
                     break
             runner.run(nxt - tokens)
             tokens = nxt
@@ -784,4 +853,6 @@ def decode(
         prefill_reason=_PREFILL_FAILED.get(model),
         report=report,
     )
+    if generation_config.return_dict_in_generate:
+        return hf_up.decoder_only_output(out, cache)
     return out

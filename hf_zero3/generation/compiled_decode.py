@@ -10,10 +10,14 @@ agreed stops are transformers' and ours as in eager decoding; only the forward i
 * **When.** ``decode="compiled"``: always, unless the model or the options cannot (beam search,
   encoder-decoder models, a cache passed in or another cache implementation, a model transformers
   does not mark compileable), or the region gathers layer by layer (ZeRO-3's hooks run in every
-  forward). ``decode="auto"`` (the default): the same, on CUDA only, and not when the engine runs
-  DeepCompile or the generation config sets ``disable_compile`` (TRL's GRPO does; ``"compiled"``
-  overrides both). ``decode="eager"``: never. Each fallback
-  says why once (``hf_zero3_last_generate.decode_reason``; one log line).
+  forward). ``decode="auto"`` (the default): the same, on CUDA only (beside DeepCompile's training
+  graphs too: the decode step is its own compiled function, and DeepCompile's graph is not
+  recompiled), and not where the generation config sets ``disable_compile``, except in the
+  rollouts of a TRL trainer ``Zero3Safe`` adapted: TRL sets it (GRPO, RLOO, Distillation) to keep
+  transformers from compiling, so there the call takes hf_zero3's static loop and, where that loop
+  cannot take the call, decodes eagerly rather than through transformers' compiled loop.
+  ``"compiled"`` overrides ``disable_compile`` for both loops. ``decode="eager"``: never. Each
+  fallback says why once (``hf_zero3_last_generate.decode_reason``; one log line).
 * **No recompiles across calls.** The static cache is sized to the prompt + new tokens rounded up
   to ``bucket`` tokens (transformers keeps the largest size seen, so later calls of any length up
   to it reuse the compiled step); leaving and re-entering the gathered region may give the
@@ -32,7 +36,7 @@ import torch
 
 from .._upstream import transformers as hf_up
 
-__all__ = ["DECODE_MODES", "resolve", "prepare", "graph_count", "region_allows"]
+__all__ = ["DECODE_MODES", "resolve", "own_loop_only", "prepare", "graph_count", "region_allows"]
 
 DECODE_MODES = ("auto", "eager", "compiled")
 log = logging.getLogger("hf_zero3.generation")
@@ -60,11 +64,11 @@ def _gen_value(model, kwargs: dict, name: str, default=None):
     return getattr(getattr(model, "generation_config", None), name, default)
 
 
-def resolve(model, mode: str, kwargs: dict, deepcompile: bool = False) -> tuple[bool, str | None]:
+def resolve(model, mode: str, kwargs: dict, trl: str | None = None) -> tuple[bool, str | None]:
     """(compile the decode step?, why not). Local and cheap: a decode step gathers nothing inside a
-    whole-model region, so ranks deciding differently still issue the same collectives.
-    ``deepcompile``: the model's engine runs DeepCompile (``"auto"`` then declines: a second
-    ``torch.compile`` of its module for decoding has not been verified beside DeepCompile's graphs)."""
+    whole-model region, so ranks deciding differently still issue the same collectives (the stop
+    checks they schedule are tagged). ``trl``: the TRL trainer whose rollout this is (its
+    ``disable_compile`` then keeps only transformers' compiled loop off: :func:`own_loop_only`)."""
     if mode == "eager":
         return False, "decode='eager'"
     reason = None
@@ -80,16 +84,15 @@ def resolve(model, mode: str, kwargs: dict, deepcompile: bool = False) -> tuple[
         # with max_length only, a rank with a longer prompt would decode past its static cache
         # while the group runs the agreed (largest) step budget
         reason = "max_new_tokens is not set (a static cache needs it)"
-    elif _gen_value(model, kwargs, "use_cache") is False:
+    elif _gen_value(model, kwargs, "use_cache") is False and trl is None:
+        # TRL's GKD sets it while gradient checkpointing is on (a training-mode concern); in its
+        # rollouts the static loop decodes with its cache, as the other TRL trainers do
         reason = "use_cache=False"
-    elif mode == "auto" and _gen_value(model, kwargs, "disable_compile"):
-        # TRL's GRPO sets it on its generation config to keep transformers from compiling by
-        # itself; decode="compiled" is an explicit request and overrides it
+    elif own_loop_only(model, mode, kwargs) and trl is None:
+        # decode="compiled" is an explicit request and overrides it
         reason = "disable_compile=True (decode='compiled' overrides it)"
     elif not hf_up.can_compile_fullgraph(model):
         reason = f"transformers does not mark {type(model).__name__} compileable (_can_compile_fullgraph)"
-    elif mode == "auto" and deepcompile:
-        reason = "decode='auto' does not compile decoding beside DeepCompile's graphs (decode='compiled' forces it)"
     elif mode == "auto" and getattr(getattr(model, "device", None), "type", "cpu") != "cuda":
         reason = "decode='auto' compiles on CUDA only (decode='compiled' forces it)"
     if reason is not None:
@@ -98,12 +101,19 @@ def resolve(model, mode: str, kwargs: dict, deepcompile: bool = False) -> tuple[
     return True, None
 
 
+def own_loop_only(model, mode: str, kwargs: dict) -> bool:
+    """``decode="auto"`` with ``disable_compile`` set: transformers' compiled loop stays off (read
+    before :func:`prepare` clears it for the static cache)."""
+    return mode == "auto" and bool(_gen_value(model, kwargs, "disable_compile"))
+
+
 def prepare(model, args: tuple, kwargs: dict, bucket: int) -> None:
     """Ask transformers for a static cache sized to the bucketed length (in ``kwargs``)."""
     from .._upstream.transformers import generation_config_field
 
     kwargs.setdefault("cache_implementation", "static")
     kwargs["disable_compile"] = False
+    kwargs["use_cache"] = True  # resolve() let through only a TRL rollout's use_cache=False
     inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
     new = _gen_value(model, kwargs, "max_new_tokens")
     if (

@@ -10,7 +10,11 @@ rank whose sequences are done (they get the pad token, the first EOS is kept), a
 
 * ``stop="sync"``: once no rank of the parameters' own gather group has unfinished sequences,
   checked with one agreement every ``sync_every`` steps (so at most ``sync_every - 1`` extra
-  forwards after the last rank's final EOS);
+  forwards after the last rank's final EOS). By default (``sync_every=None``) every step, and with
+  compiled decoding every :data:`COMPILED_SYNC_EVERY` steps. Compiled decoding checks late, each
+  check agreeing on what the previous check saw (:func:`stop_schedule`): the host agrees while the
+  GPU decodes the next steps, so the agreement's latency, which grows with the group, stays off
+  the decode's path (at most ``2 * sync_every - 1`` extra forwards);
 * ``stop="fixed"``: after exactly ``max_new_tokens`` steps, with no per-step collective.
 
 Every call is agree-or-raise (:mod:`hf_zero3.agree`): after transformers has validated the
@@ -37,7 +41,7 @@ from .._upstream.versions import require
 from ..decode import static_loop
 from ..decode.features import DecodeReport
 from ..errors import RankDivergenceError, RankFailure
-from ..gathering import GATHER_MODES, EvalGatherMixin, gathered_forwards
+from ..gathering import GATHER_MODES, EvalGatherMixin, gathered_forwards, region_facts
 from ..options import DecodeOptions
 from ..runtime import runtime_of
 from . import compiled_decode
@@ -53,9 +57,14 @@ __all__ = [
     "base_module",
     "is_generation_model",
     "STOP_MODES",
+    "COMPILED_SYNC_EVERY",
+    "stop_schedule",
 ]
 
 STOP_MODES = ("sync", "fixed")
+#: With compiled decoding and ``sync_every=None``: steps between two (late) stop checks, the
+#: spacing with the least modelled overhead at 64 ranks (benchmarks/agreements, docs/concepts/agreements.md).
+COMPILED_SYNC_EVERY = 2
 _LOCKSTEP_KWARGS = ("stop", "sync_every", "gather", "group", "decode", "bucket", "graph_steps", "decode_options")
 
 
@@ -66,14 +75,16 @@ class LockstepConfig:
     Attributes:
         stop: ``"sync"`` (stop together once every rank is done) or ``"fixed"`` (always
             ``max_new_tokens`` steps).
-        sync_every: with ``stop="sync"``, steps between two agreements.
+        sync_every: with ``stop="sync"``, steps between two agreements; None (default): every step,
+            or with compiled decoding every :data:`COMPILED_SYNC_EVERY` steps (compiled decoding
+            checks the previous check's flags: :func:`stop_schedule`).
         gather: ``"auto"`` (whole model once per call if every rank has the memory, else layer by
             layer), ``"all"`` or ``"layerwise"``.
         group: process group to agree over; default: the parameters' own gather group.
         decode: ``"auto"`` (default: a static KV cache and a compiled decode step when the
-            whole model is gathered, on CUDA, unless the engine runs DeepCompile or the generation
-            config says ``disable_compile``), ``"compiled"`` (the same, on any device, overriding
-            both) or ``"eager"``; see :mod:`hf_zero3.generation.compiled_decode`.
+            whole model is gathered, on CUDA, unless the generation config says
+            ``disable_compile`` outside a TRL rollout), ``"compiled"`` (the same, on any device,
+            overriding it) or ``"eager"``; see :mod:`hf_zero3.generation.compiled_decode`.
         bucket: compiled decoding sizes its static cache to prompt + new tokens rounded up to
             this many tokens, so calls of other lengths in the bucket reuse the compiled step.
         graph_steps: compiled decoding on CUDA replays this many decode steps per CUDA-graph
@@ -86,7 +97,7 @@ class LockstepConfig:
     """
 
     stop: str = "sync"
-    sync_every: int = 1
+    sync_every: int | None = None
     gather: str = "auto"
     group: Any = None
     decode: str = "auto"
@@ -97,8 +108,10 @@ class LockstepConfig:
     def validate(self) -> "LockstepConfig":
         if self.stop not in STOP_MODES:
             raise ValueError(f"stop must be one of {STOP_MODES}, not {self.stop!r}")
-        if isinstance(self.sync_every, bool) or not isinstance(self.sync_every, int) or self.sync_every < 1:
-            raise ValueError(f"sync_every must be a positive int, not {self.sync_every!r}")
+        if self.sync_every is not None and (
+            isinstance(self.sync_every, bool) or not isinstance(self.sync_every, int) or self.sync_every < 1
+        ):
+            raise ValueError(f"sync_every must be a positive int or None (automatic), not {self.sync_every!r}")
         if self.gather not in GATHER_MODES:
             raise ValueError(f"gather must be one of {GATHER_MODES}, not {self.gather!r}")
         if self.decode not in DECODE_MODES:
@@ -116,6 +129,23 @@ class LockstepConfig:
         return {"stop": self.stop, "sync_every": self.sync_every, "gather": self.gather}
 
 
+def stop_schedule(sync_every: int | None, compiled: bool) -> tuple[int, bool]:
+    """(steps between stop checks, whether each check agrees on the previous check's flags).
+
+    ``sync_every=None``: every step with transformers' eager loop (its host syncs every step
+    anyway), every :data:`COMPILED_SYNC_EVERY` steps with compiled decoding (``compiled``: the call
+    decodes compiled in a whole-model region). Compiled decoding checks late: each check agrees on
+    the flags the previous check snapshotted, a device copy queued after the steps before it and
+    read one check later, once those steps ran. The host never waits for the GPU at a check and
+    agrees while the next steps decode, so the agreement's latency, which grows with the group,
+    is hidden while it is shorter than ``sync_every`` steps. The group stops one window after the
+    check that saw every row done; every rank decides on the same agreed values, so every rank
+    runs the same forwards, and each rank's output still ends at its own last EOS."""
+    if sync_every is None:
+        sync_every = COMPILED_SYNC_EVERY if compiled else 1
+    return sync_every, compiled
+
+
 @dataclass
 class LockstepStats:
     """What the last lockstep ``generate()`` call did on this rank (same on every rank)."""
@@ -126,6 +156,8 @@ class LockstepStats:
     gather: str = "none"  # "all", "layerwise", "held" or "none"
     extra_forwards: int = 0  # forwards run after this rank's own sequences were done
     stop: str = "sync"
+    sync_every: int = 1  # steps between two stop checks (see stop_schedule)
+    late_checks: bool = False  # each check agreed on the previous check's flags
     joined: bool = False  # this rank had no rows of its own (TRL call alignment)
     decode: str = "eager"  # "compiled": static KV cache + compiled decode step; "eager"
     decode_reason: str | None = None  # why the call decoded eagerly (None when compiled)
@@ -154,12 +186,15 @@ class _Call:
         self.region = None
         self.compile = False  # compiled decode wanted (the region must still allow it)
         self.options: DecodeOptions | None = None  # resolved, where compiled decoding is wanted
+        self.own_loop_only = False  # TRL's disable_compile: the static loop or eager, never transformers' compiled loop
+        self.every, self.late = 1, False  # stop checks: spacing, on the previous check's flags (stop_schedule)
+        self._seen_unfinished = True  # a late check's value: what the previous check saw
 
-    def _agree(self, op: str, values=(), *, error=None, count=False, record=None) -> list[int]:
+    def _agree(self, op: str, values=(), *, error=None, count=False, record=None, **extra) -> list[int]:
         self.stats.agreements += 1
         try:
             return self.rt.agree(
-                op, values, error=error, count=count, record=record, group=self.group, **self.cfg.options()
+                op, values, error=error, count=count, record=record, group=self.group, **self.cfg.options(), **extra
             )
         except (RankFailure, RankDivergenceError):
             self.phase = "shared"  # every rank raises this one; nothing more to share
@@ -167,11 +202,18 @@ class _Call:
 
     def begin(self, error: BaseException | None = None, budget: int = 0) -> list[int]:
         """The call's first agreement, before its first collective: options, call count, failures
-        (and, for a decoder-only model, the step budget); then the gathered region opens."""
-        agreed = self._agree("generate", [budget, -budget], error=error, count=True)
+        (and, for a decoder-only model, the step budget), and what the gathered region decides on
+        (who has the memory, who holds the parameters); then the region opens without an
+        agreement of its own."""
+        facts, need, facts_error = region_facts(self.model, self.cfg.gather)
+        agreed = self._agree("generate", [budget, -budget, *facts], error=error or facts_error, count=True)
         self.phase = "encoding"
         region = gathered_forwards(
-            runtime.engine_of(self.model) or self.model, self.cfg.gather, self.group, op="generate.gather"
+            runtime.engine_of(self.model) or self.model,
+            self.cfg.gather,
+            self.group,
+            op="generate.gather",
+            agreed=(agreed[2:], need),
         )
         try:
             self.stats.gather = region.__enter__().strategy
@@ -179,7 +221,7 @@ class _Call:
             self.phase = "shared"  # the region's own agreement shared it already
             raise
         self.region = region
-        return agreed
+        return agreed[:2]
 
     def validated(self, error: BaseException | None = None) -> None:
         """Arguments fully checked (step budget known): agree the budget, then decode. A decoder-only
@@ -198,6 +240,9 @@ class _Call:
                 "lengths?); pass max_new_tokens, or use stop='sync'"
             )
         self.budget = self.stats.steps_budget = hi
+        compiled = self.compile and compiled_decode.region_allows(self.stats.gather)[0]
+        self.every, self.late = stop_schedule(self.cfg.sync_every, compiled)
+        self.stats.sync_every, self.stats.late_checks = self.every, self.late
         self.phase = "decoding"
 
     def fail(self, exc: BaseException) -> None:
@@ -205,7 +250,7 @@ class _Call:
         if self.phase in ("shared", "done"):
             return
         if self.phase == "validating":
-            self._agree("generate", [0, 0], error=exc, count=True)
+            self._agree("generate", [0] * 6, error=exc, count=True)
         else:
             self._agree("generate.abort", error=exc)
 
@@ -239,7 +284,7 @@ class _Call:
             return True
         if k >= self.budget:
             go = False  # every rank's budget is spent: known everywhere without a collective
-        elif self.cfg.stop == "fixed" or k % self.cfg.sync_every != 0:
+        elif self.cfg.stop == "fixed" or k % self.every != 0:
             go = True
         else:
             go = self.agree_unfinished(not this_peer_finished)
@@ -249,8 +294,17 @@ class _Call:
         return go
 
     def agree_unfinished(self, unfinished: bool) -> bool:
-        """The stop agreement: does any rank of the group still have unfinished rows?"""
-        (any_unfinished,) = self._agree("generate.step", [1 if unfinished else 0])
+        """The stop agreement: does any rank of the group still have unfinished rows? With late
+        checks (:func:`stop_schedule`) it agrees on the value the previous check passed (the
+        static loop passes its previous snapshot itself: :meth:`agree_late`)."""
+        if self.late:
+            unfinished, self._seen_unfinished = self._seen_unfinished, unfinished
+        return self.agree_late(unfinished)
+
+    def agree_late(self, unfinished: bool) -> bool:
+        """The stop agreement on ``unfinished`` as given (tagged with the check's schedule, so
+        ranks that scheduled differently raise instead of pairing the wrong checks)."""
+        (any_unfinished,) = self._agree("generate.step", [1 if unfinished else 0], every=self.every, late=self.late)
         return any_unfinished == 1
 
     def finish_loop(
@@ -313,17 +367,19 @@ class Zero3GenerationMixin:
             _check_group_matches(self, group)
             hf_up.generation_hooks_present()
             _refuse_rank_divergent_options(cfg, args, kwargs)
-            want, why = compiled_decode.resolve(self, cfg.decode, kwargs, deepcompile=rt.deepcompile_active())
+            want, why = compiled_decode.resolve(self, cfg.decode, kwargs, trl=rt.trl_trainer)
+            own_only = want and compiled_decode.own_loop_only(self, cfg.decode, kwargs)
             options = (cfg.decode_options or DecodeOptions()).resolved()
             if want:
                 compiled_decode.prepare(self, args, kwargs, cfg.bucket)
         except Exception as exc:  # shared at the call's first agreement: every rank raises it
-            error, cfg, want, why, options = exc, LockstepConfig(), False, None, None
+            error, cfg, want, why, options, own_only = exc, LockstepConfig(), False, None, None, False
             group = overrides.get("group")  # None: the model's own group (a model with none raises alike)
         rt.enter()
         try:
             call = rt.loop = _Call(self, rt, cfg, group)
             call.compile, call.stats.decode_reason, call.options = want, why, options
+            call.own_loop_only = own_only
             graphs = compiled_decode.graph_count()
             try:
                 if error is not None:
@@ -379,7 +435,7 @@ class Zero3GenerationMixin:
             return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
         ok, why = compiled_decode.region_allows(call.stats.gather)
         if not call.compile:  # never over ZeRO-3's hooks, even with a StaticCache the user passed
-            if call.cfg.decode == "eager" or not ok:
+            if call.cfg.decode == "eager" or not ok or call.own_loop_only:
                 return False
             return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
         cache = model_kwargs.get("past_key_values")
@@ -434,6 +490,21 @@ class Zero3GenerationMixin:
                     call.options,
                 )
             call.stats.loop_reason = why
+            if call.own_loop_only:  # TRL's disable_compile: not transformers' compiled loop
+                call.compile, call.stats.decode = False, "eager"
+                call.stats.decode_reason = (
+                    f"disable_compile=True ({call.rt.trl_trainer}) and not hf_zero3's loop: {why}"
+                )
+                compiled_decode.say_eager(call.stats.decode_reason, loud=False)
+                return super()._sample(
+                    input_ids,
+                    logits_processor,
+                    stopping_criteria,
+                    generation_config,
+                    synced_gpus,
+                    streamer,
+                    **model_kwargs,
+                )
             compiled_decode.say_once(f"transformers' compiled loop instead of hf_zero3's static loop: {why}")
             # its compiled forward would trace DeepSpeed's forward prologue too (see
             # _upstream.deepspeed.engine_forward_hooks); the whole model is gathered, so it has nothing to do
@@ -539,7 +610,7 @@ def lockstep(
     model,
     *,
     stop: str = "sync",
-    sync_every: int = 1,
+    sync_every: int | None = None,
     gather: str = "auto",
     group=None,
     decode: str = "auto",
@@ -567,7 +638,7 @@ def lockstep_generate(
     model,
     *,
     stop: str = "sync",
-    sync_every: int = 1,
+    sync_every: int | None = None,
     gather: str = "auto",
     group=None,
     decode: str = "auto",

@@ -149,7 +149,8 @@ class _Scripted(LogitsProcessor):
 class ScriptedQwen2ForCausalLM(Qwen2ForCausalLM):
     """Qwen2 whose ``generate()`` follows ``self.script`` (a :class:`RankScript` or ``None``) and
     counts its calls and the forwards they run in ``self.generate_stats`` (``per_call``: the
-    forwards of each call, in order)."""
+    forwards of each call, in order; ``tokens``: each call's generated tokens, row by row, up to
+    the row's first EOS; ``loops``: whose decode loop ran each call and why not hf_zero3's, under lockstep)."""
 
     script: RankScript | None = None
     generate_stats: dict | None = None
@@ -157,7 +158,7 @@ class ScriptedQwen2ForCausalLM(Qwen2ForCausalLM):
     def generate(self, *args, **kwargs):
         stats = self.generate_stats
         if stats is None:
-            stats = self.generate_stats = {"calls": 0, "forwards": 0, "per_call": []}
+            stats = self.generate_stats = {"calls": 0, "forwards": 0, "per_call": [], "tokens": [], "loops": []}
         stats["calls"] += 1
         if self.script is not None:
             prompt_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
@@ -167,12 +168,26 @@ class ScriptedQwen2ForCausalLM(Qwen2ForCausalLM):
 
         counter = ForwardCounter(self)
         try:
-            return super().generate(*args, **kwargs)
+            out = super().generate(*args, **kwargs)
+            prompt = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+            seqs = getattr(out, "sequences", out)  # return_dict_in_generate (GKD, GOLD)
+            eos = self.generation_config.eos_token_id
+            stats["tokens"].append([_until_eos(row, eos) for row in seqs[:, prompt.shape[1] :].tolist()])
+            from ..runtime import runtime_of
+
+            rt = runtime_of(self, create=False)
+            call = rt.loop if rt is not None else None
+            stats["loops"].append((call.stats.loop, call.stats.loop_reason) if call is not None else None)
+            return out
         finally:
             counter.remove()
             n = counter.take()
             stats["forwards"] += n
             stats["per_call"].append(n)
+
+
+def _until_eos(row: list[int], eos: int) -> list[int]:
+    return row[: row.index(eos) + 1] if eos in row else row
 
 
 def _model(tokenizer, *, script: str | None = None, teacher: bool = False, seed: int = 0):
@@ -446,6 +461,8 @@ def _result(trainer) -> dict:
         "generate_calls": stats["calls"],
         "decode_forwards": stats["forwards"],
         "forwards_per_call": list(stats["per_call"]),
+        "tokens": list(stats.get("tokens", ())),
+        "loops": list(stats.get("loops", ())),
     }
 
 

@@ -49,15 +49,16 @@ class Zero3Safe(TrainerCallback):
         gather: eval and generation gathering: ``"auto"`` (whole model when every rank has the
             memory, else layer by layer), ``"all"`` or ``"layerwise"``.
         stop: lockstep generation stop mode, ``"sync"`` or ``"fixed"``.
-        sync_every: steps between stop agreements in ``"sync"`` mode.
+        sync_every: steps between stop agreements in ``"sync"`` mode (None: every step, every 2 with
+            compiled decoding; see :func:`hf_zero3.generation.lockstep.stop_schedule`).
         strict_versions: raise (instead of warn) when an installed library is older than supported.
         memory_plan: under DeepCompile ZeRO-3, use hf_zero3's memory plan (see :mod:`hf_zero3.compile`).
         trl: on a TRL trainer, apply :func:`hf_zero3.trl.apply` (reuse TRL's gathered model, align
             generation calls across ranks).
         decode: lockstep generation's decoding: ``"auto"`` (default: a static KV cache and a
-            compiled decode step in whole-model regions on CUDA, except beside DeepCompile and
-            where the generation config sets ``disable_compile``, as TRL's GRPO does),
-            ``"compiled"`` (also there: TRL's rollouts take it so) or ``"eager"``; see
+            compiled decode step in whole-model regions on CUDA, DeepCompile engines and TRL's
+            rollouts included; not where a generation config of the user sets
+            ``disable_compile``), ``"compiled"`` (on any device) or ``"eager"``; see
             :mod:`hf_zero3.generation.compiled_decode`.
         decode_options: which parts of the compiled decode path to use
             (:class:`~hf_zero3.DecodeOptions`; None: from the ``HF_ZERO3_*`` variables, else the
@@ -68,7 +69,7 @@ class Zero3Safe(TrainerCallback):
         self,
         gather: str = "auto",
         stop: str = "sync",
-        sync_every: int = 1,
+        sync_every: int | None = None,
         strict_versions: bool = False,
         memory_plan: bool = True,
         trl: bool = True,

@@ -44,7 +44,9 @@ would hang (DeepSpeed issue #7611).
 
 Generation itself goes through lockstep generation (installed by ``Zero3Safe``): when TRL already
 holds the whole model gathered, the call uses it as it is (no second gather) and still stops with
-the group's agreed early stop. A failure inside a round is shared with every rank.
+the group's agreed early stop; with ``decode="auto"`` on CUDA it decodes through hf_zero3's static
+loop although TRL's generation config says ``disable_compile`` (that setting keeps transformers'
+own compiled loop off, and still does). A failure inside a round is shared with every rank.
 """
 
 from __future__ import annotations
@@ -101,6 +103,9 @@ def adapt(trainer) -> list[str]:
         hf_up.replace_input_grad_hooks_on_enable,
     )
     trainer._hf_zero3_trl_adapted = True  # Zero3Safe.on_train_begin calls before_training
+    # TRL's disable_compile keeps transformers from compiling; hf_zero3's static loop still may
+    # (see hf_zero3.generation.compiled_decode)
+    _runtime(trainer).trl_trainer = type(trainer).__name__
     if _deepcompile_training(trainer):
         before_training(trainer)  # apply() after construction; else TRL adds its head later in __init__
         adapted.append("fused_lm_head")

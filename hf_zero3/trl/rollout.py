@@ -5,7 +5,7 @@ rank runs ``max_new_tokens`` decode forwards, then pads everything after each ro
 That never hangs but always pays for the longest possible rollout (DeepSpeed PR #8390, a
 group-aware early stop, is still open). :func:`early_stop` hands the rollout's ``generate()`` to
 lockstep generation with the tokenizer's EOS: decoding stops once every row of every rank of the
-gather group has ended (checked every ``sync_every`` steps), and the output is padded back to
+gather group has ended (the stop checks of :func:`hf_zero3.lockstep`), and the output is padded back to
 ``prompt + max_new_tokens`` columns, so DeepSpeed's post-processing returns exactly what it
 returned before. With the model gathered for the call (``gather="all"``) the rollout can decode
 through hf_zero3's compiled static loop (``decode="compiled"``, or ``"auto"`` on CUDA), with the
@@ -28,7 +28,7 @@ __all__ = ["early_stop"]
 def early_stop(
     rollout,
     *,
-    sync_every: int = 1,
+    sync_every: int | None = None,
     gather: str = "auto",
     decode: str = "auto",
     decode_options: DecodeOptions | None = None,

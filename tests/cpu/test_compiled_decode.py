@@ -53,7 +53,7 @@ def _compiled_two_ranks():
     prompt = early_prompt if rank == 0 else sc.late[0]
     run("eager", prompt, gather="all", decode="eager")
     run("compiled", prompt, gather="all", decode="compiled", bucket=64)
-    # a stop agreement every 3 steps: the static loop agrees at the same steps as transformers' loop
+    # a stop agreement every 3 steps (compiled: on the previous check's flags)
     run("eager_sync3", prompt, gather="all", decode="eager", sync_every=3)
     run("compiled_sync3", prompt, gather="all", decode="compiled", sync_every=3)
     run("compiled_fixed", prompt, gather="all", decode="compiled", stop="fixed")
@@ -61,6 +61,10 @@ def _compiled_two_ranks():
     run("compiled_early", early_prompt, gather="all", decode="compiled", sync_every=2)
     run("eager_early", early_prompt, gather="all", decode="eager", sync_every=2)
     run("eager_fixed", prompt, gather="all", decode="eager", stop="fixed")
+    # the default stop checks with compiled decoding: every COMPILED_SYNC_EVERY steps on the previous
+    # check's flags, alike in the static loop and in transformers' (a no-op n-gram ban keeps it there)
+    run("compiled_late", early_prompt, gather="all", decode="compiled")
+    run("transformers_late", early_prompt, gather="all", decode="compiled", no_repeat_ngram_size=10_000)
     # a processor the static loop computes on its buffers (repetition_penalty), and one it does not
     # take (no_repeat_ngram_size): transformers' compiled loop, and it says why
     run("compiled_rep", prompt, gather="all", decode="compiled", repetition_penalty=1.3)
@@ -71,6 +75,13 @@ def _compiled_two_ranks():
     other = (sc.late[1] if rank == 0 else early_prompt)[: max(2, len(prompt) - 3)]
     run("eager_other", other, gather="all", decode="eager")
     run("compiled_other", other, gather="all", decode="compiled", bucket=64)
+    # TF32 matmuls turned on between two calls (a trainer did so between rollouts): no recompile
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = not tf32
+    try:
+        run("compiled_tf32", other, gather="all", decode="compiled", bucket=64)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
     run("layerwise", prompt, gather="layerwise", decode="compiled")
     run("beams", prompt, gather="all", decode="compiled", num_beams=2)
     run("auto_cpu", prompt, gather="all", decode="auto")
@@ -83,6 +94,11 @@ def _compiled_two_ranks():
         max_new_tokens=None,
         max_length=len(prompt) + sc.steps,
     )
+    # ranks that schedule their stop checks differently (one compiles, one does not) raise alike
+    try:
+        run("mixed", prompt, gather="all", decode="compiled" if rank == 0 else "eager")
+    except hf_zero3.RankDivergenceError as exc:
+        results["mixed"] = str(exc)
     mark("done")
     return results
 
@@ -105,8 +121,11 @@ def test_static_loop_runs_and_matches_transformers_loop_in_every_stop_mode(resul
         for name in ("compiled", "compiled_other", "compiled_sync3", "compiled_fixed", "compiled_early"):
             assert r[name]["loop"] == "hf_zero3" and r[name]["loop_reason"] is None, r[name]
             eager = r[name.replace("compiled", "eager")]
-            # tokens, forwards, extra forwards and agreements as transformers' loop under lockstep
-            for key in ("out", "forwards", "stat_forwards", "extra", "agreements"):
+            # tokens as transformers' eager loop under lockstep, and with no stop check (stop="fixed")
+            # its forwards and agreements too (compiled decoding checks late: see the late-check test)
+            same_checks = name == "compiled_fixed"
+            keys = ("out", "forwards", "stat_forwards", "extra", "agreements") if same_checks else ("out",)
+            for key in keys:
                 assert r[name][key] == eager[key], (name, key, r[name][key], eager[key])
         assert r["compiled_fixed"]["stat_forwards"] == r["steps"]
         assert r["compiled_early"]["stat_forwards"] < r["steps"]  # every row done: the group stopped early
@@ -114,6 +133,26 @@ def test_static_loop_runs_and_matches_transformers_loop_in_every_stop_mode(resul
         ngram = r["compiled_ngram"]
         assert ngram["loop"] == "transformers" and "NoRepeatNGram" in ngram["loop_reason"], ngram
         assert ngram["decode"] == "compiled" and ngram["out"] == r["eager_ngram"]["out"]
+
+
+def test_compiled_stop_checks_are_late_and_alike_in_both_loops(results):
+    """Compiled decoding's stop checks agree on the previous check's flags (by default every
+    COMPILED_SYNC_EVERY steps): the group stops one window after the check that saw every row done,
+    the static loop and transformers' compiled loop check at the same steps, the tokens are eager
+    decoding's; a rank that schedules its checks otherwise raises on every rank."""
+    from hf_zero3.generation.lockstep import COMPILED_SYNC_EVERY
+
+    for r in results:
+        late, hf = r["compiled_late"], r["transformers_late"]
+        assert late["loop"] == "hf_zero3" and hf["loop"] == "transformers", (late, hf)
+        done = r["eager_early"]["stat_forwards"] - r["eager_early"]["extra"]  # the group's last EOS (every rank's)
+        for name, every in (("compiled_late", COMPILED_SYNC_EVERY), ("compiled_early", 2)):
+            expected = min(r["steps"], -(-done // every) * every + every)
+            assert r[name]["stat_forwards"] == expected, (name, r[name]["stat_forwards"], done, every)
+            assert r[name]["out"] == r["eager_early"]["out"], name
+        for key in ("out", "forwards", "stat_forwards", "extra", "agreements"):
+            assert late[key] == hf[key], (key, late[key], hf[key])
+        assert "every" in r["mixed"] and "late" in r["mixed"], r["mixed"]
 
 
 def test_divergent_eos_and_equal_forwards_on_every_rank(results):
@@ -128,6 +167,8 @@ def test_first_call_compiles_and_a_second_length_in_the_bucket_does_not(results)
     for r in results:
         assert r["compiled"]["compiles"] > 0
         assert r["compiled_other"]["compiles"] == 0, r["compiled_other"]
+        # the static loop runs with the TF32 setting of its first call (Dynamo guards on it)
+        assert r["compiled_tf32"]["compiles"] == 0 and r["compiled_tf32"]["out"] == r["compiled_other"]["out"]
 
 
 def test_unsupported_cases_decode_eagerly_and_say_why(results):
@@ -151,9 +192,11 @@ def test_bad_decode_settings_are_refused_by_name():
         LockstepConfig(graph_steps=-1).validate()
 
 
-def test_auto_is_the_default_and_declines_beside_deepcompile():
-    """decode="auto" is lockstep's and Zero3Safe's default; it names why it does not compile beside
-    DeepCompile's graphs (checked before the device, so it shows on CPU) and "compiled" overrides."""
+def test_auto_is_the_default_and_takes_trl_rollouts_despite_disable_compile():
+    """decode="auto" is lockstep's and Zero3Safe's default. A generation config's disable_compile
+    keeps it eager, except in a TRL trainer's rollouts (TRL sets it; there it keeps only
+    transformers' compiled loop off); "compiled" overrides it everywhere. Checked before the
+    device, so it shows on CPU, where "auto" then declines for the device."""
     from transformers import LlamaForCausalLM
 
     import hf_zero3
@@ -163,9 +206,12 @@ def test_auto_is_the_default_and_declines_beside_deepcompile():
 
     assert LockstepConfig().decode == "auto" and hf_zero3.Zero3Safe().lockstep.decode == "auto"
     model = LlamaForCausalLM(models.tiny_llama_config())
-    kw = dict(max_new_tokens=4)
-    want, why = compiled_decode.resolve(model, "auto", kw, deepcompile=True)
-    assert not want and "DeepCompile" in why and "decode='compiled' forces it" in why
-    assert compiled_decode.resolve(model, "compiled", kw, deepcompile=True) == (True, None)
-    want, why = compiled_decode.resolve(model, "auto", kw, deepcompile=False)
-    assert not want and "CUDA only" in why  # this machine's model is on CPU
+    kw = dict(max_new_tokens=4, disable_compile=True)
+    want, why = compiled_decode.resolve(model, "auto", kw)
+    assert not want and "disable_compile" in why and "decode='compiled' overrides it" in why
+    want, why = compiled_decode.resolve(model, "auto", kw, trl="GRPOTrainer")
+    assert not want and "CUDA only" in why  # not disable_compile: this machine's model is on CPU
+    assert compiled_decode.own_loop_only(model, "auto", kw) and not compiled_decode.own_loop_only(model, "compiled", kw)
+    assert compiled_decode.resolve(model, "compiled", kw) == (True, None)
+    want, why = compiled_decode.resolve(model, "auto", dict(max_new_tokens=4))
+    assert not want and "CUDA only" in why

@@ -93,8 +93,8 @@ def compiled_decode(new_tokens: int = 48):
         out["again"] = dict(
             same=all(bool(torch.equal(a, seq)) for a in again), reused=module.hf_zero3_last_generate.graphs_reused
         )
-        # a stop agreement before every step (lockstep's default sync_every=1): graphs of one step
-        # between agreements, the same tokens
+        # a stop agreement before every step (sync_every=1): graphs of one step between agreements,
+        # the same tokens
         every_step = hf_zero3.lockstep_generate(
             engine, input_ids=ids, gather="all", decode="compiled", do_sample=False, sync_every=1, graph_steps=8, **kw
         )
@@ -122,6 +122,29 @@ def compiled_decode(new_tokens: int = 48):
             )
         out["sampling_reproducible"] = samples[0] == samples[1]
         out["sampling_loop"] = module.hf_zero3_last_generate.loop
+        # the processors the loop computes (repetition_penalty, min_new_tokens) with sampling, captured
+        # in CUDA graphs and run step by step (graph_steps=0): the same tokens, and the default late checks
+        procs = []
+        for steps in (8, 0):
+            torch.manual_seed(99)
+            procs.append(
+                hf_zero3.lockstep_generate(
+                    engine,
+                    input_ids=ids,
+                    gather="all",
+                    decode="compiled",
+                    do_sample=True,
+                    top_p=0.9,
+                    repetition_penalty=1.3,
+                    min_new_tokens=6,
+                    graph_steps=steps,
+                    **kw,
+                ).tolist()
+            )
+            st = module.hf_zero3_last_generate
+            if steps:
+                out["processors"] = dict(loop=st.loop, graph_steps=st.graph_steps, late=st.late_checks)
+        out["processors"]["same"] = procs[0] == procs[1]
     return out
 
 

@@ -44,6 +44,8 @@ def test_compiled_decode_matches_eager_logits_and_does_not_recompile():
         assert r["second"]["loop"] == "hf_zero3"
         assert r["again"]["same"] and r["again"]["reused"], r["again"]
         assert r["sync1"]["same"] and r["sync1"]["loop"] == "hf_zero3", r["sync1"]  # an agreement every step
+        pr = r["processors"]  # repetition_penalty + min_new_tokens + top-p, in CUDA graphs
+        assert pr["loop"] == "hf_zero3" and pr["graph_steps"] == 8 and pr["late"] and pr["same"], pr
         stf = r["second"]["teacher_forced"]
         assert stf["tokens"] > 0 and stf["max_margin"] <= 0.05 * max(1.0, stf["max_abs_logit"]), r["second"]
     assert len({r["first"]["forwards"] for r in res}) == 1

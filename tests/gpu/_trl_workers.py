@@ -1,0 +1,82 @@
+"""Rank-side code for the TRL GPU tests: TRL's GRPO with ``Zero3Safe()`` and TRL's default
+arguments apart from sizes, on a small Qwen2 (bf16, SDPA) under ZeRO-3, with or without DeepCompile."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def grpo_rollouts(tmpdir: str, deepcompile: bool, script: str | None = None) -> dict:
+    """Train 4 GRPO steps, evaluating after steps 2 and 4; what each rollout's decoding did."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    import hf_zero3
+    from hf_zero3.testing import mark, models, trl_jobs
+    from hf_zero3.testing.configs import trainer_zero3_config
+
+    tok = trl_jobs.tiny_tokenizer()
+    ds = trainer_zero3_config()
+    if deepcompile:
+        ds["compile"] = {"deepcompile": True}
+    args = GRPOConfig(
+        output_dir=tmpdir,
+        bf16=True,
+        deepspeed=ds,
+        torch_compile=deepcompile,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=32,
+        max_steps=4,
+        eval_strategy="steps",
+        eval_steps=2,
+        per_device_eval_batch_size=8,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=0,
+    )
+    cfg = models.tiny_qwen2_config(
+        vocab_size=len(tok),
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    model = trl_jobs.ScriptedQwen2ForCausalLM._from_config(cfg, dtype=torch.bfloat16)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    if script is not None:
+        model.script = trl_jobs.RankScript(script, tok)
+    graphs = trl_jobs.GraphCount()
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=trl_jobs.length_reward,
+        args=args,
+        train_dataset=trl_jobs._prompts(),
+        eval_dataset=trl_jobs._prompts(8),
+        processing_class=tok,
+        callbacks=[hf_zero3.Zero3Safe(), graphs],
+    )
+    mark(f"GRPO deepcompile={deepcompile} script={script}")
+    trainer.train()
+    res = trl_jobs._result(trainer)
+    last = hf_zero3.runtime_of(trainer.model).last_generate
+    evals = [v for h in res["logs"] for k, v in h.items() if k.startswith("eval_") and isinstance(v, float)]
+    return dict(
+        loops=res["loops"],
+        graphs=graphs.counts,
+        losses=res["losses"],
+        evals=evals,
+        eval_logs=sum(1 for h in res["logs"] if any(k.startswith("eval_") for k in h)),
+        decode=last.decode,
+        decode_reason=last.decode_reason,
+        sync_every=last.sync_every,
+        late_checks=last.late_checks,
+        finite=all(math.isfinite(x) for x in res["losses"] + evals),
+    )
