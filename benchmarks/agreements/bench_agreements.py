@@ -15,11 +15,18 @@ agreements x tagged / time for the whole cost (``agree_share_pct``).
 Part 3, scaling: the stop agreement (one tagged value, as the decode loop's ``agree_unfinished``)
 over ``BENCH_AGREE_WORLDS`` gloo processes on this host (default 2,4,8,16; fewer calls each as the
 group grows), fitted to latency = a + b * log2(ranks) and to a + b * (ranks - 1) by least squares,
-and the better fit's modelled overhead of one rollout at 8, 64 and 512 ranks for every
-``sync_every`` in 1, 4, 8, 16: agreements = ceil(127 / sync_every) stop checks + 4 per call
-(start, budget, gather, end), against a rollout of ``BENCH_ROLLOUT_S`` seconds (default 0.176: the
-1B shape, batch 64, 128 new tokens on one H200, RESULTS.md). Processes past the host's cores share
-them, so the larger groups measure an upper bound. ``BENCH_AGREE_PARTS=scaling`` runs part 3 alone.
+and the better fit's modelled overhead of one rollout at 8, 64 and 512 ranks for stop checks every
+1, 2, 4 or 8 steps, on the current flags or late (on the previous check's flags, while the GPU
+decodes: hf_zero3.generation.lockstep.stop_schedule), against a rollout of ``BENCH_ROLLOUT_S``
+seconds (default 0.176: the 1B shape, batch 64, 128 new tokens on one H200, RESULTS.md) of 128
+steps. Per rollout: 2 call-level agreements (the first: options, budget and gathering; the end)
+and ceil(127 / every) stop checks; a check on the current flags waits out its agreement (the GPU idles), a late one only
+what exceeds the ``every`` steps it overlaps (``exposed_ms``). A rollout that ends before its
+budget also runs extra forwards past the group's last EOS, (every - 1) / 2 on average, plus
+``every`` for a late check (``extra_ms``); ``overhead_pct`` counts both. Processes past the host's
+cores share them, so the larger groups measure an upper bound. ``BENCH_AGREE_PARTS=scaling`` runs
+part 3 alone; ``BENCH_AGREE_FIT=<run>`` refits its model to the latencies a recorded run measured
+(agreements.jsonl's ``run``) instead of measuring.
 Run: python benchmarks/agreements/bench_agreements.py
 """
 
@@ -32,12 +39,16 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from common import llama_1b_config, record, table  # noqa: E402
+from common import llama_1b_config, load, record, table  # noqa: E402
 
 CALLS = int(os.environ.get("BENCH_AGREE_CALLS", 2000))
 WORLDS = [int(w) for w in os.environ.get("BENCH_AGREE_WORLDS", "2,4,8,16").split(",")]
 ROLLOUT_S = float(os.environ.get("BENCH_ROLLOUT_S", 0.176))
 PARTS = os.environ.get("BENCH_AGREE_PARTS", "all")
+#: (steps between stop checks, late) modelled in part 3; (1, False) was the default before late checks
+SCHEDULES = ((1, False), (4, False), (8, False), (2, True), (4, True), (8, True))
+CALL_AGREEMENTS = 2  # a generate() call's first (options, budget, gathering) and its end
+FIT_RUN = os.environ.get("BENCH_AGREE_FIT")
 STEP_AGREEMENTS = 3  # Zero3Safe.on_step_begin + the gate's agree_launch for the forward and backward graph
 
 
@@ -91,12 +102,17 @@ def _fit(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
     return a, b, r2
 
 
-def scaling() -> tuple[list[dict], list[dict]]:
-    """Part 3: measured latency per world size, and the fitted model's rollout overhead."""
-    import math
-
+def _measure() -> list[dict]:
+    """Part 3's measurement: the stop agreement's latency per world size, or (``BENCH_AGREE_FIT``,
+    a run id of agreements.jsonl) the one a recorded run measured, to refit the model."""
     from hf_zero3.testing import run_ranks
 
+    if FIT_RUN:
+        rows = [r["result"] for r in load(os.path.join(HERE, "agreements.jsonl")) if r["run"] == FIT_RUN]
+        measured = [r for r in rows if r.get("part") == "scaling"]
+        if not measured:
+            raise SystemExit(f"agreements.jsonl has no scaling rows of run {FIT_RUN!r}")
+        return measured
     measured = []
     for world in WORLDS:
         calls = max(200, CALLS // max(1, world // 2))
@@ -110,6 +126,14 @@ def scaling() -> tuple[list[dict], list[dict]]:
                 "oversubscribed": world > (os.cpu_count() or 1),  # processes share cores: an upper bound
             }
         )
+    return measured
+
+
+def scaling() -> tuple[list[dict], list[dict]]:
+    """Part 3: measured latency per world size, and the fitted model's rollout overhead."""
+    import math
+
+    measured = _measure()
     xs = [r["ranks"] for r in measured]
     ys = [r["max_rank_us"] for r in measured]
     fits = {
@@ -119,17 +143,24 @@ def scaling() -> tuple[list[dict], list[dict]]:
     name = max(fits, key=lambda k: fits[k][0][2])
     (a, b, r2), shape = fits[name]
     model = []
+    step_s = ROLLOUT_S / 128
     for ranks in (8, 64, 512):
-        us = a + b * shape(ranks)
-        for every in (1, 4, 8, 16):
-            agreements = math.ceil(127 / every) + 4
+        agree_s = (a + b * shape(ranks)) / 1e6
+        for every, late in SCHEDULES:
+            checks = math.ceil(127 / every)
+            hidden = every * step_s if late else 0.0  # a late check overlaps the steps queued before it
+            exposed = CALL_AGREEMENTS * agree_s + checks * max(0.0, agree_s - hidden)
+            extra = ((every - 1) / 2 + (every if late else 0)) * step_s
             model.append(
                 {
                     "ranks": ranks,
                     "sync_every": every,
-                    "agreement_us": us,
-                    "agreements": agreements,
-                    "overhead_pct": 100 * agreements * us / 1e6 / ROLLOUT_S,
+                    "late": late,
+                    "agreement_us": agree_s * 1e6,
+                    "agreements": checks + CALL_AGREEMENTS,
+                    "exposed_ms": exposed * 1e3,
+                    "extra_ms": extra * 1e3,
+                    "overhead_pct": 100 * (exposed + extra) / ROLLOUT_S,
                     "fit": f"{name}: a={a:.1f} us, b={b:.1f} us, R^2={r2:.3f}",
                 }
             )
@@ -201,12 +232,19 @@ def main():
         if any(r["oversubscribed"] for r in measured):
             print(f"more processes than this host's {os.cpu_count()} cores: those rows, and the fit, are upper bounds")
         print(model[0]["fit"])
-        print(table(model, ["ranks", "sync_every", "agreement_us", "agreements", "overhead_pct"]))
+        print(
+            table(
+                model,
+                ["ranks", "sync_every", "late", "agreement_us", "agreements", "exposed_ms", "extra_ms", "overhead_pct"],
+            )
+        )
         for r in measured:
             r["part"] = "scaling"
         for r in model:
             r["part"] = "model"
         setup = {"worlds": WORLDS, "backend": "gloo", "rollout_s": ROLLOUT_S, "calls": CALLS, "cores": os.cpu_count()}
+        if FIT_RUN:  # the latencies are the recorded run's: only the model is new
+            measured, setup = [], {"fitted_to_run": FIT_RUN, "rollout_s": ROLLOUT_S}
         print(f"raw rows appended to {record('agreements', measured + model, HERE, setup)}")
     if PARTS == "scaling":
         return

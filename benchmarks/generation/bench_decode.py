@@ -30,7 +30,8 @@ Model: Llama-3.2-1B shape in code (random weights, bf16) under ZeRO-3 on every G
 those (a repeated rollout: the static loop replays the CUDA graphs its first call captured,
 ``graphs_reused``), ``seconds_all`` every one (``capture_s_all``: host seconds each spent capturing
 graphs: the first timed call of a static-loop row captures again, so the median of five is used);
-the first call's extra time over the median is ``compile_s``.
+the first call's extra time over the median is ``compile_s``, its whole time ``first_call_s``
+(``BENCH_COMPILE_TIMES=1`` prints where Dynamo and inductor spent it).
 ``floor_tok_s``: batch / (bf16 weight bytes / HBM bandwidth), the tokens/s of a decode step that
 only streams the weights once (``BENCH_HBM_TBPS``, default 4.3 TB/s, an H200's); ``fraction_of_floor``
 counts every row of every step (``step_tokens_per_s``), as the floor does; ``tokens_per_s`` and
@@ -162,6 +163,7 @@ def rank_main(partial: str):
                     seconds_all=times[1:],
                     useful_tokens=int(tot[0].item()),
                     compile_s=max(0.0, times[0] - median),
+                    first_call_s=times[0],
                     decode=getattr(ours, "decode", None),
                     loop=getattr(ours, "loop", None),
                     graph_steps=getattr(ours, "graph_steps", None),
@@ -184,6 +186,10 @@ def rank_main(partial: str):
             )
             if rank == 0:  # as it is measured: a run cut short keeps its rows
                 print("measured", rows[-1], flush=True)
+                if os.environ.get("BENCH_COMPILE_TIMES"):  # where the first call's seconds went
+                    from torch._dynamo.utils import compile_times
+
+                    print(compile_times(repr="str", aggregate=True), flush=True)
                 with open(partial, "a") as f:
                     f.write(json.dumps(rows[-1]) + "\n")
     return rows

@@ -1,40 +1,54 @@
-"""TRL rollouts under ZeRO-3: GRPO generation throughput and step time, TRL alone vs with
-``Zero3Safe``, and DeepSpeed's OPSD rollout (``HybridEngineRollout``) with fixed steps vs
-hf_zero3's early stop.
+"""TRL rollouts under ZeRO-3: GRPO rollout and step time, TRL alone vs with ``Zero3Safe``, and
+DeepSpeed's OPSD rollout (``HybridEngineRollout``) with fixed steps vs hf_zero3's early stop.
 
 GRPO (every GPU up to 2, NCCL; CPU/gloo with a tiny model if none): Qwen2-0.5B shape built in code
-(random weights, bf16), TRL's default GRPOConfig but 8 completions of <= 128 tokens per rank and
-per step, 3 steps (the first warms up); four settings in one run: TRL default
-(``ds3_gather_for_generation=True``, the baseline), TRL with gather off, and both with
-``callbacks=[Zero3Safe()]``. Rollout tokens/s counts generated tokens per rank over the time spent
-in ``generate()``; step: the fastest of steps 2-3.
+(random weights, bf16), TRL's default GRPOConfig apart from sizes: ``BENCH_COMPLETIONS`` (default
+64 on CUDA, 8 on CPU) completions of <= 128 tokens per rank and per step, 8 per prompt, 3 steps
+(the first warms up and compiles). Settings (``BENCH_TRL_SETTINGS``, comma-separated; default all):
+``trl_default`` (``ds3_gather_for_generation=True``, TRL's eager rollout: the baseline),
+``trl_gather_off``, ``zero3safe`` and ``zero3safe_gather_off`` (``callbacks=[Zero3Safe()]``; its
+default ``decode="auto"`` takes hf_zero3's static loop in the gathered rollouts on CUDA), and
+``zero3safe_deepcompile`` (the same under DeepCompile ZeRO-3, ``torch_compile=True``). The rollout
+phase is the time spent in ``generate()`` in a step, the fastest of steps 2-3 (``BENCH_STEPS``: steps a
+setting trains, default 3; ``first_rollout_s``: the first step's, compiles included); step: the
+fastest of steps 2-3;
+``vs_trl_default_*``: trl_default's time over the row's.
 
 OPSD rollout: the same model in a ZeRO-3 engine, greedy, batch 8, 64-token prompts, 128 new
-tokens; row i of rank r emits EOS at step (0.1 + 0.08 i + 0.03 r) x 128 (a logits processor in the
-model's generate(), as rollouts end at different lengths), so the group's last row ends at step 84
+tokens; row i of rank r emits EOS at step (0.1 + 0.08 i + 0.03 r) x 128 (the model's forward raises
+the EOS logit from then on, as rollouts end at different lengths), so the group's last row ends at step 84
 (one rank) or 88 (two). DeepSpeed's rollout runs all 128 forwards; ``hf_zero3.trl.early_stop``
-stops at the group's longest row; outputs compared token for token.
-Rows go to trl.jsonl with ``part`` "grpo" or "opsd". ``BENCH_TRL_ONLY=opsd`` runs the OPSD part alone.
+stops after the group's longest row (its default stop checks; ``decode="auto"``: the static loop
+on CUDA where the model is gathered for the call); outputs compared token for token.
+Rows go to trl.jsonl with ``part`` "grpo" or "opsd". ``BENCH_TRL_ONLY=opsd`` (or ``grpo``) runs
+one part alone.
 Run: python benchmarks/trl/bench_trl.py
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from common import record, table, world_and_backend  # noqa: E402
+from common import record, scratch_dir, table, world_and_backend  # noqa: E402
 
 MAX_NEW = int(os.environ.get("BENCH_MAX_NEW", 128))
-SETTINGS = [
-    ("trl_default", True, False),
-    ("trl_gather_off", False, False),
-    ("zero3safe", True, True),
-    ("zero3safe_gather_off", False, True),
-]
+STEPS = int(os.environ.get("BENCH_STEPS", 3))  # GRPO steps a setting trains; the first warms up
+# name -> (ds3_gather_for_generation, Zero3Safe, DeepCompile)
+SETTINGS = {
+    "trl_default": (True, False, False),
+    "trl_gather_off": (False, False, False),
+    "zero3safe": (True, True, False),
+    "zero3safe_gather_off": (False, True, False),
+    "zero3safe_deepcompile": (True, True, True),
+}
+_asked = os.environ.get("BENCH_TRL_SETTINGS", ",".join(SETTINGS)).split(",")
+if set(_asked) - set(SETTINGS) or "trl_default" not in _asked:
+    raise SystemExit(f"BENCH_TRL_SETTINGS takes names of {', '.join(SETTINGS)}, trl_default (the baseline) among them")
 
 
 def _config(cuda: bool, vocab: int):
@@ -61,31 +75,34 @@ def _config(cuda: bool, vocab: int):
 
 
 def _eos_at_class():
-    from transformers import LogitsProcessor, LogitsProcessorList, Qwen2ForCausalLM
-
-    class ForceEos(LogitsProcessor):
-        def __init__(self, targets, prompt_len):
-            self.targets, self.prompt_len = targets, prompt_len
-
-        def __call__(self, input_ids, scores):
-            step = input_ids.shape[1] - self.prompt_len
-            for row, target in enumerate(self.targets):
-                if step + 1 == target:
-                    scores[row] = float("-inf")
-                    scores[row, 2] = 0.0
-            return scores
+    import torch
+    from transformers import Qwen2ForCausalLM
 
     class EosAt(Qwen2ForCausalLM):
         """Qwen2 whose row i emits EOS (id 2) at generated step ``targets[i]``, as a rollout's rows end
-        at different lengths; greedy and otherwise untouched."""
+        at different lengths: its forward raises the EOS logit from that step on (tensor-only, so a
+        compiled decode step computes it too); greedy and otherwise untouched. ``prompt_len``: the
+        rollout's prompt length."""
 
-        targets: list = []
+        targets = None  # (batch,) long tensor on the model's device
+        prompt_len = 64
 
-        def generate(self, input_ids, **kwargs):
-            processors = LogitsProcessorList(
-                [*(kwargs.pop("logits_processor", None) or []), ForceEos(self.targets, input_ids.shape[1])]
-            )
-            return super().generate(input_ids, logits_processor=processors, **kwargs)
+        def forward(self, *args, **kwargs):
+            positions = kwargs.get("position_ids")
+            if positions is not None:  # hf_zero3's static loop passes them
+                last = positions[:, -1]
+            else:  # transformers' loop without an attention mask: the cache's length before this forward
+                cache, ids = kwargs.get("past_key_values"), kwargs.get("input_ids", args[0] if args else None)
+                last = (cache.get_seq_length() if cache is not None else 0) + ids.shape[1] - 1
+            out = super().forward(*args, **kwargs)
+            if self.targets is None:
+                return out
+            step = last - (self.prompt_len - 2)  # the prompt's last position makes token 1
+            force = (step >= self.targets).to(out.logits.dtype) * 1e4
+            bonus = torch.zeros_like(out.logits[:, -1:])
+            bonus[..., 2] = 1.0
+            out.logits = out.logits + bonus * force[:, None, None]
+            return out
 
     return EosAt
 
@@ -95,6 +112,8 @@ class _Timer:
 
     def __init__(self, sync):
         self.sync, self.gen_s, self.tokens, self.steps, self._t = sync, 0.0, 0, [], None
+        self.step_gen, self.gen_steps = 0.0, []  # generate() seconds in the current step, per step
+        self.step_compiles, self.compiles = 0, []  # Dynamo graphs the step's generate() calls compiled
 
     def wrap(self, model):
         original = model.generate
@@ -105,6 +124,9 @@ class _Timer:
             out = original(*args, **kwargs)
             self.sync()
             self.gen_s += time.perf_counter() - t
+            self.step_gen += time.perf_counter() - t
+            last = getattr(model, "hf_zero3_last_generate", None)
+            self.step_compiles += getattr(last, "compiles", 0) or 0
             prompt = kwargs["input_ids"].shape[1] if "input_ids" in kwargs else args[0].shape[1]
             self.tokens += out.shape[0] * (out.shape[1] - prompt)
             return out
@@ -120,10 +142,13 @@ class _Timer:
             def on_step_begin(self, *a, **k):
                 timer.sync()
                 timer._t = time.perf_counter()
+                timer.step_gen, timer.step_compiles = 0.0, 0
 
             def on_step_end(self, *a, **k):
                 timer.sync()
                 timer.steps.append(time.perf_counter() - timer._t)
+                timer.gen_steps.append(timer.step_gen)
+                timer.compiles.append(timer.step_compiles)
 
         return StepTimes()
 
@@ -142,20 +167,26 @@ def grpo_rank(tmpdir: str):
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     tok = tiny_tokenizer()
+    completions = int(os.environ.get("BENCH_COMPLETIONS", 64 if cuda else 8))
     rows = []
-    for name, gather, fixed in SETTINGS:
+    for name in _asked:
+        gather, fixed, deepcompile = SETTINGS[name]
         mark(f"grpo {name}")
         timer = _Timer(sync)
         callbacks = [timer.callback()] + ([hf_zero3.Zero3Safe()] if fixed else [])
+        ds = trainer_zero3_config()
+        if deepcompile:
+            ds["compile"] = {"deepcompile": True}
         args = GRPOConfig(
             output_dir=f"{tmpdir}/{name}",
             use_cpu=not cuda,
             bf16=cuda,
-            deepspeed=trainer_zero3_config(),
-            per_device_train_batch_size=8,
+            deepspeed=ds,
+            torch_compile=deepcompile,
+            per_device_train_batch_size=completions,
             num_generations=8,
             max_completion_length=MAX_NEW,
-            max_steps=3,
+            max_steps=STEPS,
             report_to=[],
             save_strategy="no",
             logging_steps=1,
@@ -189,18 +220,31 @@ def grpo_rank(tmpdir: str):
 
         trainer.training_step = training_step
         trainer.train()
+        last = getattr(hf_zero3.runtime_of(trainer.model, create=False), "last_generate", None)
         rows.append(
             dict(
                 setting=name,
                 gather=gather,
                 zero3safe=fixed,
+                deepcompile=deepcompile,
+                completions=completions,
                 rank=dist.get_rank(),
+                loop=last.loop if last is not None else "transformers",
+                decode=last.decode if last is not None else "eager",
                 rollout_tokens_per_s=timer.tokens / timer.gen_s if timer.gen_s else None,
+                rollout_s=min(timer.gen_steps[1:]),
+                first_rollout_s=timer.gen_steps[0],
+                rollout_s_all=timer.gen_steps,
+                step_s_all=timer.steps,
+                compiles_per_step=timer.compiles,
                 generate_s=timer.gen_s,
                 tokens=timer.tokens,
                 step_s=min(timer.steps[1:]),
             )
         )
+        if dist.get_rank() == 0:  # as it is measured: a run cut short keeps its rows
+            with open(os.path.join(scratch_dir(), "trl_partial.jsonl"), "a") as f:
+                f.write(json.dumps(rows[-1]) + "\n")
         del trainer, model
         if cuda:
             torch.cuda.empty_cache()
@@ -231,10 +275,11 @@ def opsd_rank():
     models.ensure_deepspeed_comm()
     model = _EosAt._from_config(cfg, dtype=torch.bfloat16 if cuda else torch.float32)
     # row i of rank r ends at step (0.1 + 0.08 i + 0.03 r) x MAX_NEW: the group's last row at ~0.7 x MAX_NEW
-    model.targets = [max(2, int((0.1 + 0.08 * i + 0.03 * dist.get_rank()) * MAX_NEW)) for i in range(8)]
     engine, *_ = deepspeed.initialize(model=model, config=ds)
     engine.eval()
     dev = engine.device
+    targets = [max(2, int((0.1 + 0.08 * i + 0.03 * dist.get_rank()) * MAX_NEW)) for i in range(8)]
+    model.targets = torch.tensor(targets, device=dev)
     g = torch.Generator().manual_seed(dist.get_rank())
     prompt = torch.randint(3, cfg.vocab_size, (8, 64), generator=g).to(dev)
     request = RolloutRequest(prompt, torch.ones_like(prompt))
@@ -255,9 +300,11 @@ def opsd_rank():
         sync()
         dt = time.perf_counter() - t
         useful = int(batch.attention_mask[:, 64:].sum())
+        last = getattr(engine.module, "hf_zero3_last_generate", None)
         rows.append(
             dict(
                 setting=name,
+                loop=last.loop if last is not None and name != "deepspeed_fixed" else "transformers",
                 forwards=forwards[0],
                 seconds=dt,
                 useful_tokens=useful,
@@ -284,24 +331,36 @@ def main():
         model="qwen2-0.5b-shape" if backend == "nccl" else "tiny-qwen2",
     )
     rows = []
-    if os.environ.get("BENCH_TRL_ONLY") != "opsd":
+    only = os.environ.get("BENCH_TRL_ONLY")
+    if only != "opsd":
         grpo = run_ranks(
             grpo_rank, world, args=(tempfile.mkdtemp(),), backend=backend, init="deepspeed", timeout=590, pg_timeout=300
         )
         rows = [dict(r, part="grpo") for rank_rows in grpo for r in rank_rows]
         base = next(r for r in rows if r["setting"] == "trl_default" and r["rank"] == 0)
         for r in rows:
-            r["vs_trl_default_tok_s"] = r["rollout_tokens_per_s"] / base["rollout_tokens_per_s"]
+            r["vs_trl_default_rollout"] = base["rollout_s"] / r["rollout_s"]
             r["vs_trl_default_step"] = base["step_s"] / r["step_s"]
         print(
             table(
                 rows,
-                ["setting", "rank", "rollout_tokens_per_s", "step_s", "vs_trl_default_tok_s", "vs_trl_default_step"],
+                [
+                    "setting",
+                    "rank",
+                    "loop",
+                    "first_rollout_s",
+                    "rollout_s",
+                    "step_s",
+                    "vs_trl_default_rollout",
+                    "vs_trl_default_step",
+                ],
             )
         )
-    opsd = run_ranks(opsd_rank, world, backend=backend, init="deepspeed", timeout=590, pg_timeout=300)[0]
-    opsd[1]["speedup"] = opsd[0]["seconds"] / opsd[1]["seconds"]
-    print(table(opsd, ["setting", "forwards", "seconds", "useful_tokens_per_s", "speedup", "same_output"]))
+    opsd = []
+    if only != "grpo":
+        opsd = run_ranks(opsd_rank, world, backend=backend, init="deepspeed", timeout=590, pg_timeout=300)[0]
+        opsd[1]["speedup"] = opsd[0]["seconds"] / opsd[1]["seconds"]
+        print(table(opsd, ["setting", "loop", "forwards", "seconds", "useful_tokens_per_s", "speedup", "same_output"]))
     path = record("trl", rows + [dict(r, part="opsd") for r in opsd], HERE, setup)
     print(setup)
     print(f"raw rows appended to {path}")
