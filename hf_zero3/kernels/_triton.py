@@ -6,11 +6,12 @@ take; outside ``torch.compile`` the two launch alike, so an interpreted kernel i
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 
 import torch
 
-__all__ = ["missing", "interpreted", "launcher", "op"]
+__all__ = ["missing", "interpreted", "launcher", "op", "autotune"]
 
 
 def missing() -> str | None:
@@ -46,3 +47,14 @@ def op(name: str, mutates_args: tuple[str, ...], fake):
         return built
 
     return wrap
+
+
+def autotune(kernel, configs, key, **kwargs):
+    """``triton.autotune`` with its results kept in Triton's cache directory (``cache_results``,
+    where this Triton has it): each new process otherwise benchmarks every configuration of every
+    shape again before its first decode step. ``TRITON_CACHE_DIR`` chooses where they live."""
+    import triton
+
+    if "cache_results" in inspect.signature(triton.autotune).parameters:
+        kwargs["cache_results"] = True
+    return triton.autotune(configs=configs, key=key, **kwargs)(kernel)

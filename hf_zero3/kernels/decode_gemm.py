@@ -323,17 +323,18 @@ def _ops():
             )
             for c in CONFIGS
         ]
-        tuned_linear = triton.autotune(configs=configs, key=["M", "N", "K"])(linear_kernel)
-        tuned_gate_up = triton.autotune(configs=configs, key=["M", "N", "K"])(gate_up_kernel)
+        tuned_linear = _triton.autotune(linear_kernel, configs, ["M", "N", "K"])
+        tuned_gate_up = _triton.autotune(gate_up_kernel, configs, ["M", "N", "K"])
         split_configs = {(c["BLOCK_N"], c["BLOCK_K"], c["num_stages"], c["num_warps"]) for c in SPLIT_CONFIGS}
-        tuned_split = triton.autotune(
-            configs=[
+        tuned_split = _triton.autotune(
+            split_kernel,
+            [
                 triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_stages=st, num_warps=w)
                 for bn, bk, st, w in sorted(split_configs)
             ],
-            key=["M", "N", "K", "SPLIT"],
+            ["M", "N", "K", "SPLIT"],
             prune_configs_by={"early_config_prune": _split_prune},
-        )(split_kernel)
+        )
         fixed = fixed_split = {}
     _state["tuned"] = (tuned_gate_up, tuned_split)
 

@@ -172,3 +172,27 @@ def test_split_k_autotuning_keeps_only_configurations_whose_block_divides_a_slic
     assert [c.kwargs["BLOCK_K"] for c in decode_gemm._split_prune(configs, {}, K=2816, SPLIT=4)] == [64]
     assert len(decode_gemm._split_prune(configs, {}, K=8192, SPLIT=4)) == 3
     assert decode_gemm._split_prune(configs, {"K": 96, "SPLIT": 2}) == []  # Triton then raises, no wrong sum
+
+
+def test_autotuned_kernels_keep_their_results_for_the_next_process(tmp_path):
+    """The GEMMs' autotuning results go to Triton's cache (``cache_results``), so a new process does
+    not benchmark every configuration again before its first decode step. Built in a process
+    without Triton's interpreter (this one runs it, and the interpreter keeps no results)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import triton, triton.language as tl\n"
+        "from hf_zero3.kernels import _triton\n"
+        "@triton.jit\n"
+        "def k(x_ptr, N: tl.constexpr):\n"
+        "    pass\n"
+        "print(_triton.autotune(k, [triton.Config({})], ['N']).cache_results)\n"
+    )
+    script = tmp_path / "tuned.py"  # Triton reads a kernel's source from its file
+    script.write_text(code)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "True", out.stdout
