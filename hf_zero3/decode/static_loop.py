@@ -766,6 +766,7 @@ def _tf32_pinned():
         torch.backends.cuda.matmul.allow_tf32 = now
 
 
+@_tf32_pinned()
 def decode(
     model,
     call,
@@ -780,23 +781,6 @@ def decode(
     """Generate with the static loop, in lockstep with ``call`` (a :class:`.lockstep._Call`): the
     agreements of transformers' loop under lockstep, at the same steps. ``options``: resolved
     (:meth:`DecodeOptions.resolved`)."""
-    with _tf32_pinned():
-        return _decode(
-            model,
-            call,
-            input_ids,
-            logits_processor,
-            stopping_criteria,
-            generation_config,
-            model_kwargs,
-            graph_steps,
-            options,
-        )
-
-
-def _decode(
-    model, call, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs, graph_steps, options
-) -> torch.Tensor:
     budget = int(call.budget)
     cache = model_kwargs["past_key_values"]
     eos = _eos_ids(stopping_criteria, input_ids.device)

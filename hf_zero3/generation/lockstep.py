@@ -496,19 +496,11 @@ class Zero3GenerationMixin:
                     f"disable_compile=True ({call.rt.trl_trainer}) and not hf_zero3's loop: {why}"
                 )
                 compiled_decode.say_eager(call.stats.decode_reason, loud=False)
-                return super()._sample(
-                    input_ids,
-                    logits_processor,
-                    stopping_criteria,
-                    generation_config,
-                    synced_gpus,
-                    streamer,
-                    **model_kwargs,
-                )
-            compiled_decode.say_once(f"transformers' compiled loop instead of hf_zero3's static loop: {why}")
-            # its compiled forward would trace DeepSpeed's forward prologue too (see
-            # _upstream.deepspeed.engine_forward_hooks); the whole model is gathered, so it has nothing to do
-            prologue = ds_up.engine_forward_hooks_suspended(self)
+            else:
+                compiled_decode.say_once(f"transformers' compiled loop instead of hf_zero3's static loop: {why}")
+                # its compiled forward would trace DeepSpeed's forward prologue too (see
+                # _upstream.deepspeed.engine_forward_hooks); the whole model is gathered, so it has nothing to do
+                prologue = ds_up.engine_forward_hooks_suspended(self)
         with prologue:
             return super()._sample(
                 input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer, **model_kwargs
