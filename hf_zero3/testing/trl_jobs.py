@@ -255,12 +255,13 @@ def grpo_trainer(
     peft: bool = False,
     evaluate: bool = False,
     callbacks=(),
+    script: bool = True,
 ):
     """``trl.GRPOTrainer`` (2 prompts x 2 generations per step, 16 new tokens, 2 steps).
 
     ``gather``: ``ds3_gather_for_generation``. ``tools=True`` passes ``tools=[ping]`` and scripts
-    a tool call on rank 0 only (``RankScript("tool")``; completions get 80 tokens to hold the call
-    and the tool's answer). ``diverge_eos=True`` scripts ``RankScript("eos")``. ``peft=True``
+    a tool call on rank 0 only (``RankScript("tool")``, unless ``script=False``; completions get 80
+    tokens to hold the call and the tool's answer). ``diverge_eos=True`` scripts ``RankScript("eos")``. ``peft=True``
     passes ``peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"])``: TRL wraps the
     model in a ``PeftModel`` (only the adapters train; TRL's reference model is the base model
     with the adapters disabled). ``evaluate=True`` evaluates after every step on 4 prompts, 2 eval
@@ -284,7 +285,7 @@ def grpo_trainer(
         **evals,
     )
     tok = tiny_tokenizer()
-    model = _model(tok, script="tool" if tools else "eos" if diverge_eos else None)
+    model = _model(tok, script=("tool" if tools else "eos" if diverge_eos else None) if script else None)
     return GRPOTrainer(
         model=model,
         reward_funcs=length_reward,
@@ -501,3 +502,42 @@ def run_gold(tmpdir: str, **kwargs) -> dict:
 def run_distillation(tmpdir: str, **kwargs) -> dict:
     """Rank function for :func:`distillation_trainer`."""
     return _train(distillation_trainer, tmpdir, **kwargs)
+
+
+def sdft_trainer(tmpdir: str, *, callbacks=()):
+    """``trl.experimental.sdft.SDFTTrainer`` (self-distillation: the model is its own teacher on
+    prompts that carry a privileged context), 2 prompts x 2 generations per step, 16 new tokens;
+    ``teacher_model_kind="live"`` (TRL's ``"base"`` would load the teacher by the model's name,
+    which a model built in code has not)."""
+    from datasets import Dataset
+    from trl.experimental.sdft import SDFTConfig, SDFTTrainer
+
+    args = _args(SDFTConfig, tmpdir, num_generations=2, max_completion_length=16, teacher_model_kind="live")
+    tok = tiny_tokenizer()
+    data = Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": p}] for p in _PROMPTS],
+            "privileged_context": [f"The answer to '{p}' is short." for p in _PROMPTS],
+        }
+    )
+    return SDFTTrainer(
+        model=_model(tok), args=args, train_dataset=data, processing_class=tok, callbacks=list(callbacks)
+    )
+
+
+def sdpo_trainer(tmpdir: str, *, callbacks=()):
+    """``trl.experimental.sdpo.SDPOTrainer`` (GRPO-style rollouts scored by :func:`length_reward`,
+    the model its own teacher), 2 prompts x 2 generations per step, 16 new tokens;
+    ``teacher_model_kind="live"`` (TRL's ``"ema"`` would load a teacher copy by the model's name)."""
+    from trl.experimental.sdpo import SDPOConfig, SDPOTrainer
+
+    args = _args(SDPOConfig, tmpdir, num_generations=2, max_completion_length=16, teacher_model_kind="live")
+    tok = tiny_tokenizer()
+    return SDPOTrainer(
+        model=_model(tok),
+        reward_funcs=length_reward,
+        args=args,
+        train_dataset=_prompts(),
+        processing_class=tok,
+        callbacks=list(callbacks),
+    )
