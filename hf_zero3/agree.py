@@ -48,9 +48,9 @@ __all__ = ["Tag", "agree", "all_max", "all_min", "all_equal", "host_group", "gro
 
 MAGIC = 0x687A33  # "hz3"
 PROTOCOL = 1
-# values carried in the fixed-size all-reduce (a generate() call's first: its budget and its region's
-# facts); more go in a second one
-SMALL = 6
+# values carried in the fixed-size all-reduce (a generate() call's first: its budget, its region's
+# facts and whether a rank decodes compiled); more go in a second one
+SMALL = 7
 DETAIL_BYTES = 4096  # per rank, error paths only
 ERROR_CHARS = 1500  # of a failing rank's message: the tag and the error type always fit
 TIMEOUT_ENV = "HF_ZERO3_AGREE_TIMEOUT"

@@ -17,7 +17,8 @@ the previous check's flags (``stop="sync"``; :func:`~hf_zero3.generation.lockste
 the flags are a device copy read one check late, so no check waits for the GPU) or none
 (``stop="fixed"``), the same number of forwards on every rank, EOS masking with the pad token, and
 the same output (a rank's output ends where its own rows were all done). Ranks that take this loop
-and ranks that take transformers' compiled loop issue the same agreements at the same steps.
+and ranks that take transformers' loop (compiled or eager) issue the same agreements at the same
+steps: the call's first agreement settles the schedule for the group.
 
 Across calls: the loop (its static buffers and CUDA graphs) is kept per model and shape (batch,
 cache length, sampling, processors and their values, EOS ids; at most ``KEEP`` per model) and a

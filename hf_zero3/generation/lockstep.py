@@ -187,6 +187,7 @@ class _Call:
         self.compile = False  # compiled decode wanted (the region must still allow it)
         self.options: DecodeOptions | None = None  # resolved, where compiled decoding is wanted
         self.own_loop_only = False  # TRL's disable_compile: the static loop or eager, never transformers' compiled loop
+        self.any_compile = False  # some rank of the group wants compiled decoding (agreed at the start)
         self.every, self.late = 1, False  # stop checks: spacing, on the previous check's flags (stop_schedule)
         self._seen_unfinished = True  # a late check's value: what the previous check saw
 
@@ -203,17 +204,20 @@ class _Call:
     def begin(self, error: BaseException | None = None, budget: int = 0) -> list[int]:
         """The call's first agreement, before its first collective: options, call count, failures
         (and, for a decoder-only model, the step budget), and what the gathered region decides on
-        (who has the memory, who holds the parameters); then the region opens without an
-        agreement of its own."""
+        (who has the memory, who holds the parameters), and whether any rank wants compiled
+        decoding (then every rank checks its stop late: :func:`stop_schedule`); then the region
+        opens without an agreement of its own."""
         facts, need, facts_error = region_facts(self.model, self.cfg.gather)
-        agreed = self._agree("generate", [budget, -budget, *facts], error=error or facts_error, count=True)
+        values = [budget, -budget, *facts, int(self.compile)]
+        agreed = self._agree("generate", values, error=error or facts_error, count=True)
+        self.any_compile = bool(agreed[6])
         self.phase = "encoding"
         region = gathered_forwards(
             runtime.engine_of(self.model) or self.model,
             self.cfg.gather,
             self.group,
             op="generate.gather",
-            agreed=(agreed[2:], need),
+            agreed=(agreed[2:6], need),
         )
         try:
             self.stats.gather = region.__enter__().strategy
@@ -240,7 +244,9 @@ class _Call:
                 "lengths?); pass max_new_tokens, or use stop='sync'"
             )
         self.budget = self.stats.steps_budget = hi
-        compiled = self.compile and compiled_decode.region_allows(self.stats.gather)[0]
+        # the group's schedule, from agreed facts: a rank that decodes eagerly beside compiled ones
+        # checks late with them
+        compiled = self.any_compile and compiled_decode.region_allows(self.stats.gather)[0]
         self.every, self.late = stop_schedule(self.cfg.sync_every, compiled)
         self.stats.sync_every, self.stats.late_checks = self.every, self.late
         self.phase = "decoding"
@@ -250,7 +256,7 @@ class _Call:
         if self.phase in ("shared", "done"):
             return
         if self.phase == "validating":
-            self._agree("generate", [0] * 6, error=exc, count=True)
+            self._agree("generate", [0] * 7, error=exc, count=True)
         else:
             self._agree("generate.abort", error=exc)
 
@@ -302,8 +308,8 @@ class _Call:
         return self.agree_late(unfinished)
 
     def agree_late(self, unfinished: bool) -> bool:
-        """The stop agreement on ``unfinished`` as given (tagged with the check's schedule, so
-        ranks that scheduled differently raise instead of pairing the wrong checks)."""
+        """The stop agreement on ``unfinished`` as given (tagged with the check's schedule, which
+        the call's first agreement made the group's)."""
         (any_unfinished,) = self._agree("generate.step", [1 if unfinished else 0], every=self.every, late=self.late)
         return any_unfinished == 1
 
