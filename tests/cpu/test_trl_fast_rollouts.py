@@ -38,6 +38,7 @@ def _both_ways(tmpdir: str) -> dict:
         for way, callbacks in (("trl", []), ("hf_zero3", [hf_zero3.Zero3Safe(decode="compiled")])):
             mark(f"{name}: {way}")
             trainer = builders[name](f"{tmpdir}/{name}-{way}", callbacks=callbacks)
+            trainer.args.max_steps = 1  # one rollout a trainer: the loop's reuse is test_static_loop's
             trainer.train()
             res = trl_jobs._result(trainer)
             out[name][way] = {k: res[k] for k in ("tokens", "loops", "losses")}
