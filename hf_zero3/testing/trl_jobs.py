@@ -255,13 +255,12 @@ def grpo_trainer(
     peft: bool = False,
     evaluate: bool = False,
     callbacks=(),
-    script: bool = True,
 ):
     """``trl.GRPOTrainer`` (2 prompts x 2 generations per step, 16 new tokens, 2 steps).
 
     ``gather``: ``ds3_gather_for_generation``. ``tools=True`` passes ``tools=[ping]`` and scripts
-    a tool call on rank 0 only (``RankScript("tool")``, unless ``script=False``; completions get 80
-    tokens to hold the call and the tool's answer). ``diverge_eos=True`` scripts ``RankScript("eos")``. ``peft=True``
+    a tool call on rank 0 only (``RankScript("tool")``; completions get 80 tokens to hold the call
+    and the tool's answer). ``diverge_eos=True`` scripts ``RankScript("eos")``. ``peft=True``
     passes ``peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"])``: TRL wraps the
     model in a ``PeftModel`` (only the adapters train; TRL's reference model is the base model
     with the adapters disabled). ``evaluate=True`` evaluates after every step on 4 prompts, 2 eval
@@ -285,7 +284,7 @@ def grpo_trainer(
         **evals,
     )
     tok = tiny_tokenizer()
-    model = _model(tok, script=("tool" if tools else "eos" if diverge_eos else None) if script else None)
+    model = _model(tok, script="tool" if tools else "eos" if diverge_eos else None)
     return GRPOTrainer(
         model=model,
         reward_funcs=length_reward,

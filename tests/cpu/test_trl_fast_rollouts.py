@@ -1,7 +1,7 @@
-"""TRL's generating trainers (GRPO, with LoRA and with tools offered, RLOO, GKD, GOLD,
-DistillationTrainer, SDFT, SDPO) with ``Zero3Safe`` on 2 gloo ranks under strict ZeRO-3: every
-rollout decodes through hf_zero3's static loop, with the same fp32 tokens as TRL's own path (the
-same trainer without ``Zero3Safe``), seeded sampling included, and the same losses.
+"""TRL's generating trainers (GRPO, with LoRA too, RLOO, GKD, GOLD, DistillationTrainer, SDFT,
+SDPO) with ``Zero3Safe`` on 2 gloo ranks under strict ZeRO-3: every rollout decodes through
+hf_zero3's static loop, with the same fp32 tokens as TRL's own path (the same trainer without
+``Zero3Safe``), seeded sampling included, and the same losses.
 
 On CUDA ``Zero3Safe()``'s ``decode="auto"`` takes the static loop in these rollouts (TRL's
 ``disable_compile`` keeps only transformers' compiled loop off); on CPU "auto" decodes eagerly, so
@@ -12,7 +12,7 @@ import pytest
 
 from hf_zero3.testing import mark, run_ranks
 
-TRAINERS = ("grpo", "grpo_lora", "grpo_tools", "rloo", "gkd", "gold", "distillation", "sdft", "sdpo")
+TRAINERS = ("grpo", "grpo_lora", "rloo", "gkd", "gold", "distillation", "sdft", "sdpo")
 
 
 def _both_ways(tmpdir: str) -> dict:
@@ -22,8 +22,6 @@ def _both_ways(tmpdir: str) -> dict:
     builders = {
         "grpo": trl_jobs.grpo_trainer,
         "grpo_lora": lambda d, callbacks: trl_jobs.grpo_trainer(d, peft=True, callbacks=callbacks),
-        # tools offered (TRL's tool loop runs its rounds; the model's turns are unscripted)
-        "grpo_tools": lambda d, callbacks: trl_jobs.grpo_trainer(d, tools=True, script=False, callbacks=callbacks),
         "rloo": trl_jobs.rloo_trainer,
         # lmbda=1: every step draws on-policy (GKD's own default 0.5 may draw no rollout at all)
         "gkd": lambda d, callbacks: trl_jobs.gkd_trainer(d, lmbda=1.0, divergent_draws=False, callbacks=callbacks),
