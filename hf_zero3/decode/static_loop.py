@@ -813,7 +813,7 @@ def decode(
             nxt = budget if fixed else min(budget, (tokens // every + 1) * every)
             if not fixed and tokens % every == 0:
                 unfinished = seen.previous() if seen is not None else not loop.finished()
-                if not call.agree_late(call.rt.join is None and unfinished):
+                if not call.agree_step(call.rt.join is None and unfinished):
                     break
             runner.run(nxt - tokens)
             tokens = nxt

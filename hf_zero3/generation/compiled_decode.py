@@ -66,8 +66,8 @@ def _gen_value(model, kwargs: dict, name: str, default=None):
 
 def resolve(model, mode: str, kwargs: dict, trl: str | None = None) -> tuple[bool, str | None]:
     """(compile the decode step?, why not). Local and cheap: a decode step gathers nothing inside a
-    whole-model region, so ranks deciding differently still issue the same collectives (the stop
-    checks they schedule are tagged). ``trl``: the TRL trainer whose rollout this is (its
+    whole-model region, so ranks deciding differently still issue the same collectives (the call's
+    first agreement gives them one stop schedule). ``trl``: the TRL trainer whose rollout this is (its
     ``disable_compile`` then keeps only transformers' compiled loop off: :func:`own_loop_only`)."""
     if mode == "eager":
         return False, "decode='eager'"

@@ -209,15 +209,15 @@ class _Call:
         opens without an agreement of its own."""
         facts, need, facts_error = region_facts(self.model, self.cfg.gather)
         values = [budget, -budget, *facts, int(self.compile)]
-        agreed = self._agree("generate", values, error=error or facts_error, count=True)
-        self.any_compile = bool(agreed[6])
+        hi, neg_lo, *agreed_facts, any_compile = self._agree("generate", values, error=error or facts_error, count=True)
+        self.any_compile = bool(any_compile)
         self.phase = "encoding"
         region = gathered_forwards(
             runtime.engine_of(self.model) or self.model,
             self.cfg.gather,
             self.group,
             op="generate.gather",
-            agreed=(agreed[2:6], need),
+            agreed=(agreed_facts, need),
         )
         try:
             self.stats.gather = region.__enter__().strategy
@@ -225,7 +225,7 @@ class _Call:
             self.phase = "shared"  # the region's own agreement shared it already
             raise
         self.region = region
-        return agreed[:2]
+        return [hi, neg_lo]
 
     def validated(self, error: BaseException | None = None) -> None:
         """Arguments fully checked (step budget known): agree the budget, then decode. A decoder-only
@@ -256,7 +256,7 @@ class _Call:
         if self.phase in ("shared", "done"):
             return
         if self.phase == "validating":
-            self._agree("generate", [0] * 7, error=exc, count=True)
+            self.begin(exc)  # its agreement raises the shared failure; no region opens
         else:
             self._agree("generate.abort", error=exc)
 
@@ -302,12 +302,12 @@ class _Call:
     def agree_unfinished(self, unfinished: bool) -> bool:
         """The stop agreement: does any rank of the group still have unfinished rows? With late
         checks (:func:`stop_schedule`) it agrees on the value the previous check passed (the
-        static loop passes its previous snapshot itself: :meth:`agree_late`)."""
+        static loop passes its previous snapshot itself: :meth:`agree_step`)."""
         if self.late:
             unfinished, self._seen_unfinished = self._seen_unfinished, unfinished
-        return self.agree_late(unfinished)
+        return self.agree_step(unfinished)
 
-    def agree_late(self, unfinished: bool) -> bool:
+    def agree_step(self, unfinished: bool) -> bool:
         """The stop agreement on ``unfinished`` as given (tagged with the check's schedule, which
         the call's first agreement made the group's)."""
         (any_unfinished,) = self._agree("generate.step", [1 if unfinished else 0], every=self.every, late=self.late)

@@ -26,6 +26,7 @@ import random
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, Qwen2ForCausalLM, TrainerCallback
 
+from ..runtime import runtime_of
 from . import models
 from .configs import trainer_zero3_config
 from .spy import ForwardCounter
@@ -173,8 +174,6 @@ class ScriptedQwen2ForCausalLM(Qwen2ForCausalLM):
             seqs = getattr(out, "sequences", out)  # return_dict_in_generate (GKD, GOLD)
             eos = self.generation_config.eos_token_id
             stats["tokens"].append([_until_eos(row, eos) for row in seqs[:, prompt.shape[1] :].tolist()])
-            from ..runtime import runtime_of
-
             rt = runtime_of(self, create=False)
             call = rt.loop if rt is not None else None
             stats["loops"].append((call.stats.loop, call.stats.loop_reason) if call is not None else None)
