@@ -19,9 +19,11 @@ tokens; row i of rank r emits EOS at step (0.1 + 0.08 i + 0.03 r) x 128 (the mod
 the EOS logit from then on, as rollouts end at different lengths), so the group's last row ends at step 84
 (one rank) or 88 (two). DeepSpeed's rollout runs all 128 forwards; ``hf_zero3.trl.early_stop``
 stops after the group's longest row (its default stop checks; ``decode="auto"``: the static loop
-on CUDA where the model is gathered for the call); outputs compared token for token.
+on CUDA where the model is gathered for the call); outputs compared token for token;
+``first_call_s``: the untimed first call's seconds, compiles included.
 Rows go to trl.jsonl with ``part`` "grpo" or "opsd". ``BENCH_TRL_ONLY=opsd`` (or ``grpo``) runs
-one part alone.
+one part alone. ``BENCH_TIMEOUT`` (seconds, default 590) bounds each part; past it, each rank's
+stack is reported.
 Run: python benchmarks/trl/bench_trl.py
 """
 
@@ -37,6 +39,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 from common import record, scratch_dir, table, world_and_backend  # noqa: E402
 
 MAX_NEW = int(os.environ.get("BENCH_MAX_NEW", 128))
+TIMEOUT = float(os.environ.get("BENCH_TIMEOUT", 590))  # a part's hard limit: past it, each rank's stack is reported
 STEPS = int(os.environ.get("BENCH_STEPS", 3))  # GRPO steps a setting trains; the first warms up
 # name -> (ds3_gather_for_generation, Zero3Safe, DeepCompile)
 SETTINGS = {
@@ -292,7 +295,11 @@ def opsd_rank():
     for name in ("deepspeed_fixed", "hf_zero3_early_stop"):
         if name == "hf_zero3_early_stop":
             hf_zero3.trl.early_stop(rollout)
-        rollout.generate(request, sampling)  # warm
+        sync()
+        t = time.perf_counter()
+        rollout.generate(request, sampling)  # warm: compiles where the loop compiles
+        sync()
+        first = time.perf_counter() - t
         forwards[0] = 0
         sync()
         t = time.perf_counter()
@@ -306,6 +313,7 @@ def opsd_rank():
                 setting=name,
                 loop=last.loop if last is not None and name != "deepspeed_fixed" else "transformers",
                 forwards=forwards[0],
+                first_call_s=first,
                 seconds=dt,
                 useful_tokens=useful,
                 useful_tokens_per_s=useful / dt,
@@ -334,7 +342,13 @@ def main():
     only = os.environ.get("BENCH_TRL_ONLY")
     if only != "opsd":
         grpo = run_ranks(
-            grpo_rank, world, args=(tempfile.mkdtemp(),), backend=backend, init="deepspeed", timeout=590, pg_timeout=300
+            grpo_rank,
+            world,
+            args=(tempfile.mkdtemp(),),
+            backend=backend,
+            init="deepspeed",
+            timeout=TIMEOUT,
+            pg_timeout=300,
         )
         rows = [dict(r, part="grpo") for rank_rows in grpo for r in rank_rows]
         base = next(r for r in rows if r["setting"] == "trl_default" and r["rank"] == 0)
@@ -358,9 +372,23 @@ def main():
         )
     opsd = []
     if only != "grpo":
-        opsd = run_ranks(opsd_rank, world, backend=backend, init="deepspeed", timeout=590, pg_timeout=300)[0]
+        opsd = run_ranks(opsd_rank, world, backend=backend, init="deepspeed", timeout=TIMEOUT, pg_timeout=300)[0]
         opsd[1]["speedup"] = opsd[0]["seconds"] / opsd[1]["seconds"]
-        print(table(opsd, ["setting", "loop", "forwards", "seconds", "useful_tokens_per_s", "speedup", "same_output"]))
+        print(
+            table(
+                opsd,
+                [
+                    "setting",
+                    "loop",
+                    "forwards",
+                    "first_call_s",
+                    "seconds",
+                    "useful_tokens_per_s",
+                    "speedup",
+                    "same_output",
+                ],
+            )
+        )
     path = record("trl", rows + [dict(r, part="opsd") for r in opsd], HERE, setup)
     print(setup)
     print(f"raw rows appended to {path}")
