@@ -15,12 +15,16 @@ fastest of steps 2-3;
 ``vs_trl_default_*``: trl_default's time over the row's.
 
 OPSD rollout: the same model in a ZeRO-3 engine, greedy, batch 8, 64-token prompts, 128 new
-tokens; row i of rank r emits EOS at step (0.1 + 0.08 i + 0.03 r) x 128 (the model's forward raises
-the EOS logit from then on, as rollouts end at different lengths), so the group's last row ends at step 84
-(one rank) or 88 (two). DeepSpeed's rollout runs all 128 forwards; ``hf_zero3.trl.early_stop``
-stops after the group's longest row (its default stop checks; ``decode="auto"``: the static loop
-on CUDA where the model is gathered for the call); outputs compared token for token;
-``first_call_s``: the untimed first call's seconds, compiles included.
+tokens; row i of rank r emits EOS at step (0.1 + 0.08 i + 0.03 r) x 128 (the model's forward
+raises the EOS logit from then on, as rollouts end at different lengths), so the group's last row
+ends at step 84 (one rank) or 88 (two). DeepSpeed's rollout runs all 128 forwards;
+``hf_zero3.trl.early_stop`` stops after the group's longest row (its default stop checks;
+``decode="auto"``: the static loop on CUDA where the model is gathered for the call;
+``BENCH_OPSD_DECODE=compiled`` takes it on CPU too). ``same_lengths``: every row ends where
+DeepSpeed's does; ``same_output``: token for token (in bf16 on a GPU the compiled loop's kernels
+may break a near tie of the random model's logits otherwise than eager decoding; the fp32 CPU
+tests check tokens). ``compiles``: Dynamo graphs the timed call compiled (0 unless something
+recompiled); ``first_call_s``: the untimed first call's seconds, compiles included.
 Rows go to trl.jsonl with ``part`` "grpo" or "opsd". ``BENCH_TRL_ONLY=opsd`` (or ``grpo``) runs
 one part alone. ``BENCH_TIMEOUT`` (seconds, default 590) bounds each part; past it, each rank's
 stack is reported.
@@ -289,12 +293,16 @@ def opsd_rank():
     sampling = SamplingConfig(max_new_tokens=MAX_NEW, temperature=0.0)
     tok = type("Tokenizer", (), {"eos_token_id": 2, "pad_token_id": 0})()  # the rollout reads these two
     rollout = HybridEngineRollout(engine, tok)
+    # DeepSpeed's forwards, counted by a hook; the hook is removed before the static loop compiles
+    # the forward: a hook that changes a Python counter is traced into the graph, which Dynamo then
+    # recompiles at every call (the loop reports its own count)
     forwards = [0]
-    engine.module.register_forward_pre_hook(lambda m, a: forwards.__setitem__(0, forwards[0] + 1))
+    counting = engine.module.register_forward_pre_hook(lambda m, a: forwards.__setitem__(0, forwards[0] + 1))
     rows = []
     for name in ("deepspeed_fixed", "hf_zero3_early_stop"):
         if name == "hf_zero3_early_stop":
-            hf_zero3.trl.early_stop(rollout)
+            counting.remove()
+            hf_zero3.trl.early_stop(rollout, decode=os.environ.get("BENCH_OPSD_DECODE", "auto"))
         sync()
         t = time.perf_counter()
         rollout.generate(request, sampling)  # warm: compiles where the loop compiles
@@ -308,21 +316,26 @@ def opsd_rank():
         dt = time.perf_counter() - t
         useful = int(batch.attention_mask[:, 64:].sum())
         last = getattr(engine.module, "hf_zero3_last_generate", None)
+        ours = last is not None and name != "deepspeed_fixed"
         rows.append(
             dict(
                 setting=name,
-                loop=last.loop if last is not None and name != "deepspeed_fixed" else "transformers",
-                forwards=forwards[0],
+                loop=last.loop if ours else "transformers",
+                forwards=last.forwards if ours else forwards[0],
+                compiles=last.compiles if ours else 0,  # in the timed call: 0 unless something recompiled
                 first_call_s=first,
                 seconds=dt,
                 useful_tokens=useful,
                 useful_tokens_per_s=useful / dt,
                 ids=batch.input_ids.cpu().tolist(),
+                lengths=batch.attention_mask[:, 64:].sum(1).cpu().tolist(),
             )
         )
+    rows[1]["same_lengths"] = rows[0]["lengths"] == rows[1]["lengths"]
     rows[1]["same_output"] = rows[0]["ids"] == rows[1]["ids"]
     for r in rows:
         r.pop("ids")
+        r.pop("lengths")
     return rows
 
 
@@ -381,10 +394,12 @@ def main():
                     "setting",
                     "loop",
                     "forwards",
+                    "compiles",
                     "first_call_s",
                     "seconds",
                     "useful_tokens_per_s",
                     "speedup",
+                    "same_lengths",
                     "same_output",
                 ],
             )
