@@ -130,8 +130,9 @@ class _Timer:
             t = time.perf_counter()
             out = original(*args, **kwargs)
             self.sync()
-            self.gen_s += time.perf_counter() - t
-            self.step_gen += time.perf_counter() - t
+            dt = time.perf_counter() - t
+            self.gen_s += dt
+            self.step_gen += dt
             last = getattr(model, "hf_zero3_last_generate", None)
             self.step_compiles += getattr(last, "compiles", 0) or 0
             prompt = kwargs["input_ids"].shape[1] if "input_ids" in kwargs else args[0].shape[1]
@@ -314,7 +315,8 @@ def opsd_rank():
         batch = rollout.generate(request, sampling)
         sync()
         dt = time.perf_counter() - t
-        useful = int(batch.attention_mask[:, 64:].sum())
+        lengths = batch.attention_mask[:, 64:].sum(1).cpu().tolist()  # each row's response tokens
+        useful = sum(lengths)
         last = getattr(engine.module, "hf_zero3_last_generate", None)
         ours = last is not None and name != "deepspeed_fixed"
         rows.append(
@@ -328,7 +330,7 @@ def opsd_rank():
                 useful_tokens=useful,
                 useful_tokens_per_s=useful / dt,
                 ids=batch.input_ids.cpu().tolist(),
-                lengths=batch.attention_mask[:, 64:].sum(1).cpu().tolist(),
+                lengths=lengths,
             )
         )
     rows[1]["same_lengths"] = rows[0]["lengths"] == rows[1]["lengths"]

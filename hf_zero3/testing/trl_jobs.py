@@ -161,8 +161,8 @@ class ScriptedQwen2ForCausalLM(Qwen2ForCausalLM):
         if stats is None:
             stats = self.generate_stats = {"calls": 0, "forwards": 0, "per_call": [], "tokens": [], "loops": []}
         stats["calls"] += 1
+        prompt_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
         if self.script is not None:
-            prompt_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
             kwargs["logits_processor"] = LogitsProcessorList(
                 [*(kwargs.get("logits_processor") or []), self.script.processor(prompt_ids)]
             )
@@ -170,10 +170,9 @@ class ScriptedQwen2ForCausalLM(Qwen2ForCausalLM):
         counter = ForwardCounter(self)
         try:
             out = super().generate(*args, **kwargs)
-            prompt = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
             seqs = getattr(out, "sequences", out)  # return_dict_in_generate (GKD, GOLD)
             eos = self.generation_config.eos_token_id
-            stats["tokens"].append([_until_eos(row, eos) for row in seqs[:, prompt.shape[1] :].tolist()])
+            stats["tokens"].append([_until_eos(row, eos) for row in seqs[:, prompt_ids.shape[1] :].tolist()])
             rt = runtime_of(self, create=False)
             call = rt.loop if rt is not None else None
             stats["loops"].append((call.stats.loop, call.stats.loop_reason) if call is not None else None)
