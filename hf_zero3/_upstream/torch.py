@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 
@@ -30,6 +31,25 @@ def inductor_dependent_launch_options() -> dict:
     import torch._inductor.config as inductor_config
 
     return {"triton.enable_pdl": True} if hasattr(inductor_config.triton, "enable_pdl") else {}
+
+
+# Triton's kernel cache and its autotuning cache key every kernel by the ptxas it compiles with.
+# Inductor points Triton at torch's bundled ptxas (``TRITON_PTXAS_PATH``, from
+# ``_set_triton_ptxas_path`` in ``torch/_inductor/runtime/compile_tasks.py``; torch 2.11's is CUDA
+# 12.8, Triton 3.6's own is 13.0) only when it compiles a kernel itself, not when it loads one from
+# its FX graph cache. A first run therefore compiled hf_zero3's GEMMs with one ptxas and a run
+# from warm caches with the other: every Triton kernel of the decode loop missed both caches again
+# (benchmarks/RESULTS.md, first call). No upstream issue found; choosing it before any compile
+# makes every process key its kernels alike.
+def pin_triton_ptxas() -> None:
+    """Point Triton at the ptxas Inductor would choose, now, unless ``TRITON_PTXAS_PATH`` is set."""
+    if os.environ.get("TRITON_PTXAS_PATH") is not None:
+        return
+    try:
+        from torch._inductor.runtime.compile_tasks import _set_triton_ptxas_path
+    except ImportError:  # a torch without it leaves Triton on its own ptxas throughout
+        return
+    _set_triton_ptxas_path()
 
 
 def runs_class_forward(module: torch.nn.Module) -> bool:

@@ -782,6 +782,7 @@ def decode(
     """Generate with the static loop, in lockstep with ``call`` (a :class:`.lockstep._Call`): the
     agreements of transformers' loop under lockstep, at the same steps. ``options``: resolved
     (:meth:`DecodeOptions.resolved`)."""
+    torch_up.pin_triton_ptxas()  # before the first compile: warm caches hit in every process
     budget = int(call.budget)
     cache = model_kwargs["past_key_values"]
     eos = _eos_ids(stopping_criteria, input_ids.device)
