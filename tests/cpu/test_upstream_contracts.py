@@ -7,6 +7,7 @@ DeepCompile's accessors need CUDA and are exercised by the GPU tests (tests/gpu)
 from __future__ import annotations
 
 import inspect
+import os
 
 import pytest
 import torch
@@ -493,6 +494,26 @@ def test_inductor_dependent_launch_option_is_a_real_inductor_option():
     assert inductor_config.triton.enable_pdl is False  # off by default upstream: ours is an opt-in
     with inductor_config.patch(options):
         assert inductor_config.triton.enable_pdl is True
+
+
+def test_triton_ptxas_is_pinned_as_inductor_chooses_it_and_a_set_one_is_kept(monkeypatch):
+    """``pin_triton_ptxas`` calls the chooser Inductor runs before it compiles (torch's bundled
+    ``_inductor/bin/ptxas`` where the wheel has one, else Triton's own), and keeps a path the user set."""
+    import pathlib
+
+    import torch._inductor
+    from torch._inductor.runtime import compile_tasks
+
+    assert callable(compile_tasks._set_triton_ptxas_path)
+    monkeypatch.setenv("TRITON_PTXAS_PATH", "/opt/cuda/bin/ptxas")
+    torch_up.pin_triton_ptxas()
+    assert os.environ["TRITON_PTXAS_PATH"] == "/opt/cuda/bin/ptxas"
+
+    monkeypatch.delenv("TRITON_PTXAS_PATH")
+    compile_tasks._set_triton_ptxas_path.cache_clear()  # it runs once per process otherwise
+    torch_up.pin_triton_ptxas()
+    bundled = pathlib.Path(torch._inductor.__file__).parent / "bin" / "ptxas"
+    assert os.environ.get("TRITON_PTXAS_PATH") == (str(bundled) if bundled.is_file() else None)
 
 
 def test_static_cache_counters_are_made_on_the_device_before_the_prompt_forward():
