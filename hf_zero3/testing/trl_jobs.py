@@ -188,16 +188,18 @@ def _until_eos(row: list[int], eos: int) -> list[int]:
     return row[: row.index(eos) + 1] if eos in row else row
 
 
-def _model(tokenizer, *, script: str | None = None, teacher: bool = False, seed: int = 0):
-    """A tiny Qwen2 (student: scripted; teacher: plain) matching ``tokenizer``.
+def _model(tokenizer, *, script: str | None = None, teacher: bool = False, seed: int = 0, dtype=None, **config):
+    """A tiny Qwen2 (student: scripted; teacher: plain) matching ``tokenizer``; ``config``: sizes or
+    attention that differ from :func:`~hf_zero3.testing.models.tiny_qwen2_config` (the GPU tests'),
+    ``dtype``: its parameters' (default: torch's).
 
     Call after the trainer's config exists: its live ``HfDeepSpeedConfig`` makes transformers
     build the model inside ``deepspeed.zero.Init``, partitioned as ``from_pretrained`` would.
     """
-    cfg = models.tiny_qwen2_config(vocab_size=len(tokenizer), max_position_embeddings=1024)
+    cfg = models.tiny_qwen2_config(**{"vocab_size": len(tokenizer), "max_position_embeddings": 1024, **config})
     torch.manual_seed(seed)
     cls = Qwen2ForCausalLM if teacher else ScriptedQwen2ForCausalLM
-    model = cls._from_config(cfg)
+    model = cls._from_config(cfg) if dtype is None else cls._from_config(cfg, dtype=dtype)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     if script is not None:

@@ -13,7 +13,7 @@ def grpo_rollouts(tmpdir: str, deepcompile: bool, script: str | None = None) -> 
     from trl import GRPOConfig, GRPOTrainer
 
     import hf_zero3
-    from hf_zero3.testing import mark, models, trl_jobs
+    from hf_zero3.testing import mark, trl_jobs
     from hf_zero3.testing.configs import trainer_zero3_config
 
     tok = trl_jobs.tiny_tokenizer()
@@ -38,21 +38,16 @@ def grpo_rollouts(tmpdir: str, deepcompile: bool, script: str | None = None) -> 
         disable_tqdm=True,
         seed=0,
     )
-    cfg = models.tiny_qwen2_config(
-        vocab_size=len(tok),
+    model = trl_jobs._model(
+        tok,
+        script=script,
+        dtype=torch.bfloat16,
         hidden_size=256,
         intermediate_size=512,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=1024,
         attn_implementation="sdpa",
     )
-    torch.manual_seed(0)
-    model = trl_jobs.ScriptedQwen2ForCausalLM._from_config(cfg, dtype=torch.bfloat16)
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.generation_config.eos_token_id = tok.eos_token_id
-    if script is not None:
-        model.script = trl_jobs.RankScript(script, tok)
     graphs = trl_jobs.GraphCount()
     trainer = GRPOTrainer(
         model=model,
