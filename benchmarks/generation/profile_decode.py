@@ -161,7 +161,9 @@ def rank_main():
     orig_decode = gd.decode
 
     def decode(model, call, input_ids, *a, **k):
-        cache = a[-2]["past_key_values"] if len(a) >= 2 else None
+        from hf_zero3._upstream import transformers as hf_up
+
+        cache = hf_up.generation_cache(a[-2]) if len(a) >= 2 else None
         layer = cache.layers[0] if cache is not None else None
         probe["ptrs"].append(
             (

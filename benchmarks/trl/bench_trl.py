@@ -99,7 +99,9 @@ def _eos_at_class():
             if positions is not None:  # hf_zero3's static loop passes them
                 last = positions[:, -1]
             else:  # transformers' loop without an attention mask: the cache's length before this forward
-                cache, ids = kwargs.get("past_key_values"), kwargs.get("input_ids", args[0] if args else None)
+                from hf_zero3._upstream import transformers as hf_up
+
+                cache, ids = hf_up.passed_cache(kwargs), kwargs.get("input_ids", args[0] if args else None)
                 last = (cache.get_seq_length() if cache is not None else 0) + ids.shape[1] - 1
             out = super().forward(*args, **kwargs)
             if self.targets is None:

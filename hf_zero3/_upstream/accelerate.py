@@ -1,5 +1,5 @@
 """accelerate / DeepSpeed behaviours the memory plan is injected around, each patch named after what
-it works around. Checked against accelerate 1.15.0 and DeepSpeed 0.19.8 (``CHECKED``).
+it works around. Checked against accelerate 1.15.0 and 1.16.0 and DeepSpeed 0.19.8 (``CHECKED``).
 
 The functions here only build a patch and return its undo; :mod:`hf_zero3._upstream.patches`
 decides when one is installed (only while the memory plan is enabled) and removes it again
@@ -12,7 +12,7 @@ import functools
 import inspect
 from typing import Any, Callable
 
-CHECKED = "accelerate 1.15.0, deepspeed 0.19.8"
+CHECKED = "accelerate 1.15.0, 1.16.0, deepspeed 0.19.8"
 
 
 def patch_deepspeed_compile_default_schedule(default_schedule: Callable[[Any], list | None]) -> Callable[[], None]:
@@ -49,7 +49,7 @@ def patch_accelerate_prepare_deepspeed(
     """Run ``before(accelerator)`` ahead of ``Accelerator._prepare_deepspeed`` and
     ``after(accelerator, engine, before's result)`` once the engine exists.
 
-    Works around two accelerate 1.15 behaviours: ``deepspeed_config_process`` raises on any
+    Works around two behaviours of accelerate 1.15 and 1.16: ``deepspeed_config_process`` raises on any
     ``"auto"`` leaf it does not fill, anywhere in the DeepSpeed config (so a third-party section
     must be resolved before it runs), and the DeepSpeed launcher (``prepare_deepspeed_cmd_env``)
     exports none of the YAML's ``dynamo_config``, so ``_prepare_deepspeed`` never calls

@@ -1,16 +1,23 @@
-"""transformers internals hf_zero3 relies on. Checked against transformers 5.23.0 (``CHECKED``).
+"""transformers internals hf_zero3 relies on. Checked against transformers 5.17.0, 5.23.0 and
+5.25.0 (``CHECKED``: CI's floor, pinned and newest sets).
 
 Lockstep generation overrides private ``GenerationMixin`` methods that every decoding loop of
 transformers 5.x goes through; the Trainer callback finds its ``Trainer`` from the
-``on_init_end`` call (a callback is handed no reference to it).
+``on_init_end`` call (a callback is handed no reference to it). :func:`contract_problems` checks
+every read the fast decode path makes of generation (the cache's keyword, the cache classes, the
+overridden methods); the contract tests and ``hf_zero3 env`` call it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import sys
 
-CHECKED = "transformers 5.23.0"
+from .versions import NEWEST, newer_than_checked
+
+CHECKED = "transformers 5.17.0, 5.23.0, 5.25.0"
 
 #: GenerationMixin methods lockstep generation overrides, in the order generate() calls them:
 #: where ``max_length`` is fixed, the last validation before decoding, and the loop condition
@@ -44,6 +51,100 @@ SAMPLE_PARAMS = (
 #: Every private GenerationMixin method ``Zero3GenerationMixin`` overrides (the contract test
 #: holds the mixin to this list and each method to its signature).
 OVERRIDDEN = GENERATION_HOOKS + ENCODER_HOOKS + (COMPILE_HOOK, SAMPLE_HOOK)
+
+
+# -- the KV cache's keyword ---------------------------------------------------------------------------
+#: The keyword generation hands the KV cache through (``model_kwargs``, model inputs and outputs),
+#: newest first: ``cache`` from transformers 5.25 (``past_key_values`` deprecated until 5.40),
+#: ``past_key_values`` before (renamed in 5.25).
+CACHE_KEYWORDS = ("cache", "past_key_values")
+
+
+@functools.lru_cache(maxsize=None)
+def cache_keyword() -> str | None:
+    """The keyword this transformers passes the KV cache by (one of :data:`CACHE_KEYWORDS`; None: a
+    release that renamed it again, which :func:`contract_problems` names and the fast decode path
+    refuses with that reason)."""
+    from transformers.generation.utils import GenerationMixin
+
+    params = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    return next((k for k in CACHE_KEYWORDS if k in params), None)
+
+
+def generation_cache(model_kwargs: dict):
+    """The cache ``generate()`` prepared in ``model_kwargs`` (None: none, or an unknown keyword)."""
+    key = cache_keyword()
+    return model_kwargs.get(key) if key is not None else None
+
+
+def passed_cache(kwargs: dict):
+    """A cache the caller passed to ``generate()``, under either keyword (the old one still works,
+    deprecated, on releases that renamed it)."""
+    return next((kwargs[k] for k in CACHE_KEYWORDS if kwargs.get(k) is not None), None)
+
+
+def cache_arguments(cache) -> dict:
+    """The keyword argument a model forward takes ``cache`` by."""
+    return {cache_keyword() or CACHE_KEYWORDS[-1]: cache}
+
+
+#: The cache classes the static loop reads: a ``StaticCache`` whose layers are all ``StaticLayer``
+#: (``keys``, ``values``, ``max_cache_len``, ``cumulative_length``), as ``cache_implementation="static"`` builds it.
+CACHE_CLASSES = ("StaticCache", "StaticLayer")
+
+
+def recheck_generation() -> None:
+    """Read transformers' generation again (:func:`cache_keyword`, :func:`contract_problems` are
+    read once per process): after its code was patched."""
+    cache_keyword.cache_clear()
+    contract_problems.cache_clear()
+
+
+@functools.lru_cache(maxsize=None)
+def contract_problems() -> tuple[str, ...]:
+    """What the fast decode path reads of transformers' generation and this release no longer has,
+    one message each naming the read and the release (empty: all present; read once per process).
+    Checked by the contract tests on every CI release set; ``hf_zero3 env`` prints it; a problem
+    makes lockstep decode with transformers' own loop and say so."""
+    import torch
+    import transformers
+    from transformers import cache_utils
+    from transformers.generation import utils as gen_utils
+
+    release = f"transformers {transformers.__version__}"
+    problems = []
+    key = cache_keyword()
+    if key is None:
+        problems.append(
+            f"{release}: GenerationMixin.prepare_inputs_for_generation takes none of {CACHE_KEYWORDS} "
+            "(the KV cache's keyword)"
+        )
+    else:
+        from transformers import LlamaForCausalLM
+
+        if key not in inspect.signature(LlamaForCausalLM.forward).parameters:
+            problems.append(f"{release}: model forwards do not take the KV cache as {key!r}")
+        fields = getattr(gen_utils.GenerateDecoderOnlyOutput, "__dataclass_fields__", {})
+        if key not in fields:
+            problems.append(f"{release}: GenerateDecoderOnlyOutput has no {key!r} field")
+    problems += [
+        f"{release}: transformers.cache_utils has no {c}" for c in CACHE_CLASSES if not hasattr(cache_utils, c)
+    ]
+    layer = getattr(cache_utils, "StaticLayer", None)
+    if layer is not None and getattr(layer, "is_compileable", None) is not True:
+        problems.append(f"{release}: StaticLayer.is_compileable is not True")
+    if layer is not None:
+        made = layer(max_cache_len=1)  # an empty layer: its fill count exists before any update
+        if not isinstance(getattr(made, "cumulative_length", None), torch.Tensor):
+            problems.append(f"{release}: a StaticLayer keeps no cumulative_length tensor (its fill count)")
+    missing = [n for n in OVERRIDDEN if not hasattr(gen_utils.GenerationMixin, n) and n not in ENCODER_HOOKS]
+    if not any(hasattr(gen_utils.GenerationMixin, n) for n in ENCODER_HOOKS):
+        missing.append(" or ".join(ENCODER_HOOKS))
+    problems += [f"{release}: GenerationMixin has no {n} (lockstep overrides it)" for n in missing]
+    sample = getattr(gen_utils.GenerationMixin, SAMPLE_HOOK, None)
+    if sample is not None and tuple(inspect.signature(sample).parameters)[: len(SAMPLE_PARAMS)] != SAMPLE_PARAMS:
+        problems.append(f"{release}: GenerationMixin.{SAMPLE_HOOK} no longer takes {SAMPLE_PARAMS}")
+    return tuple(problems)
 
 
 def is_generation_model(module) -> bool:
@@ -84,12 +185,15 @@ def pad_token_tensor(generation_config):
 
 #: The transformers functions the fast decode path computes itself (hf_zero3.decode.families, and
 #: the logits processors of hf_zero3.decode.logits_processors), each with the fingerprints of its
-#: source (:func:`source_fingerprint`) in the releases it was checked against: transformers 5.17.0
-#: and 5.23.0 (one fingerprint where the two agree, else 5.23.0's then 5.17.0's; the processors
-#: differ in annotations, and 5.23.0's repetition penalty also drops ids past the output vocabulary,
-#: which hf_zero3 computes too). A function whose source differs falls back to the model's own code.
+#: source (:func:`source_fingerprint`) in the releases it was checked against: transformers 5.17.0,
+#: 5.23.0 and 5.25.0 (one fingerprint where they agree, else the newest first; the processors differ
+#: in annotations, and 5.23.0's repetition penalty also drops ids past the output vocabulary, which
+#: hf_zero3 computes too; 5.25.0's Llama attention takes the cache as ``cache`` and hands ``kwargs``
+#: to ``cache.update``, which a ``StaticLayer``, the only layer the rope kernel takes, ignores). A
+#: function whose source differs, or a transformers newer than the newest checked
+#: (``versions.NEWEST``), falls back to the model's own code.
 CHECKED_SOURCES = {
-    "transformers.models.llama.modeling_llama.LlamaAttention.forward": "6cc040820685adbf",
+    "transformers.models.llama.modeling_llama.LlamaAttention.forward": ("8f5bc1437c7494f3", "6cc040820685adbf"),
     "transformers.models.llama.modeling_llama.apply_rotary_pos_emb": "d7bb227c70940011",
     "transformers.models.llama.modeling_llama.rotate_half": "b59dbfffe0eeb84b",
     "transformers.models.llama.modeling_llama.LlamaMLP.forward": "4a9e0f851f1aaf4d",
@@ -124,8 +228,24 @@ def upstream_function(path: str):
             continue
         for attr in parts[i:]:
             obj = getattr(obj, attr, None)
-        return obj
+        return hub_wrapped_function(obj, parts[-1])
     return None
+
+
+def hub_wrapped_function(obj, name: str):
+    """Works around transformers 5.25 requiring the ``kernels`` package: its
+    ``use_kernel_forward_from_hub`` (on ``apply_rotary_pos_emb``) turns the decorated function into an
+    ``nn.Module`` (``Func``) whose forward calls it unless the model was kernelized. The function it
+    calls is the source that was checked; any other object is returned as it is."""
+    import torch
+
+    if not isinstance(obj, torch.nn.Module):
+        return obj
+    for cell in getattr(type(obj).forward, "__closure__", None) or ():
+        fn = cell.cell_contents
+        if inspect.isfunction(fn) and fn.__name__ == name:
+            return fn
+    return obj
 
 
 def source_fingerprint(fn) -> str:
@@ -154,6 +274,12 @@ def unchecked_reason(path: str) -> str | None:
     short = path.rpartition(".models.")[2]
     if fn is None:
         return f"transformers has no {short}"
+    newer = newer_than_checked("transformers")  # the installed release
+    if newer is not None:
+        return (
+            f"transformers {newer} is newer than the newest release hf_zero3 checked {short} against "
+            f"({NEWEST['transformers']}); the model's own code runs there (`hf_zero3 env` lists what runs)"
+        )
     try:
         got = _FINGERPRINTS.get(fn) or _FINGERPRINTS.setdefault(fn, source_fingerprint(fn))
     except (OSError, TypeError, SyntaxError) as exc:  # no source to read (a C function, a REPL)
@@ -354,4 +480,4 @@ def decoder_only_output(sequences, cache):
     output was asked for: its output class with the sequences and the cache."""
     from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-    return GenerateDecoderOnlyOutput(sequences=sequences, past_key_values=cache)
+    return GenerateDecoderOnlyOutput(sequences=sequences, **cache_arguments(cache))

@@ -1,39 +1,71 @@
-"""Version floors that are true, and the releases hf_zero3 is tested against.
+"""The releases hf_zero3 is tested against, and the floors it declares.
 
-``MINIMUM`` holds, per feature, the oldest release the code works with: the eval fix reads
-``DeepSpeedEngine.is_deepcompile_active`` (DeepSpeed 0.19.3), the memory plan registers a pass with a
-``PassContract`` (``deepspeed.compile.passes.contract``, checked against 0.19.8). :func:`require` is
-called at every public entry point and raises once, naming the package, the installed release and
-the fix.
+CI runs three release sets (``RELEASE_SETS``, each a ``requirements/<name>.txt`` of pip constraints):
+the whole suite on ``pinned`` (``make test``, the README's command) and on ``newest`` (the newest
+releases on PyPI, ``make test-newest``), and the contract tests with one Trainer, one lockstep and
+one TRL case on ``floor`` (``make test-floor``). ``MINIMUM`` is the floor set as declared in
+``pyproject.toml`` and checked at every entry point (:func:`require`); torch's floor is the GPU
+host's release, where the GPU tests run (CI's CPU torch is the newest with a CPU build). A test holds
+this module, the requirements files, ``pyproject.toml`` and the README's table to each other.
 """
 
 from __future__ import annotations
 
 import functools
 
-#: The releases hf_zero3 is tested against (README "Supported versions").
-TESTED = {
-    "torch": "2.13.0 (CPU, CI); 2.11 (CUDA 13, GPU runs)",
-    "deepspeed": "0.19.8",
-    "transformers": "5.23.0",
-    "accelerate": "1.15.0",
-    "trl": "1.16.0",
-    "peft": "0.21.2",
+#: CI's release sets (requirements/<name>.txt); README "Supported versions" lists them.
+RELEASE_SETS = {
+    "floor": {
+        "torch": "2.13.0",
+        "deepspeed": "0.19.8",
+        "transformers": "5.17.0",
+        "accelerate": "1.15.0",
+        "trl": "1.16.0",
+        "peft": "0.21.2",
+    },
+    "pinned": {
+        "torch": "2.13.0",
+        "deepspeed": "0.19.8",
+        "transformers": "5.23.0",
+        "accelerate": "1.15.0",
+        "trl": "1.16.0",
+        "peft": "0.21.2",
+    },
+    "newest": {
+        "torch": "2.13.0",
+        "deepspeed": "0.19.8",
+        "transformers": "5.25.0",
+        "accelerate": "1.16.0",
+        "trl": "1.16.0",
+        "peft": "0.21.2",
+    },
+}
+#: The release the GPU tests and benchmarks run torch at (CUDA 13 build).
+GPU_TORCH = "2.11.0"
+
+#: The newest release of each library hf_zero3 was checked against: a newer transformers makes
+#: every function the fast decode path replaces fall back to the model's own code, with a reason
+#: naming the release (``_upstream.transformers.unchecked_reason``).
+NEWEST = RELEASE_SETS["newest"]
+
+#: feature -> {package: oldest release}; "core" applies to every entry point (pyproject's floors).
+MINIMUM = {
+    "core": {"torch": GPU_TORCH, "deepspeed": "0.19.8", "transformers": "5.17.0", "accelerate": "1.15.0"},
+    "trl": {"trl": "1.16.0"},
+    "peft": {"peft": "0.21.2"},
 }
 
-#: feature -> {package: oldest release}; "core" applies to every entry point.
-MINIMUM = {
-    "core": {"torch": "2.6.0", "deepspeed": "0.19.3", "transformers": "5.0.0", "accelerate": "1.10.0"},
-    "memory_plan": {"deepspeed": "0.19.8"},
-    "trl": {"trl": "1.0.0"},
-}
+#: The releases hf_zero3 is tested against, for messages (README "Supported versions").
+TESTED = {pkg: ", ".join(dict.fromkeys(s[pkg] for s in RELEASE_SETS.values())) for pkg in RELEASE_SETS["pinned"]}
+TESTED["torch"] = f"{TESTED['torch']} (CPU, CI); {GPU_TORCH} (CUDA 13, GPU runs)"
 
 
 class VersionError(RuntimeError):
     """An installed library is older than the feature needs (the message names the fix)."""
 
 
-def _installed(pkg: str) -> str | None:
+def installed(pkg: str) -> str | None:
+    """The installed release of ``pkg`` (None: not installed)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -50,7 +82,7 @@ def check_versions(feature: str = "core") -> list[str]:
     floors = dict(MINIMUM["core"])
     floors.update(MINIMUM.get(feature, {}))
     for pkg, low in floors.items():
-        have = _installed(pkg)
+        have = installed(pkg)
         if have is None:
             problems.append(f"{pkg} is not installed; pip install '{pkg}>={low}'")
         elif Version(have.split("+")[0]) < Version(low):
@@ -60,6 +92,17 @@ def check_versions(feature: str = "core") -> list[str]:
                 f"pip install -U '{pkg}>={low}' (tested: {TESTED.get(pkg, low)})"
             )
     return problems
+
+
+def newer_than_checked(pkg: str, have: str | None = None) -> str | None:
+    """``pkg``'s installed release (or ``have``) where it is newer than :data:`NEWEST`'s (None: not
+    newer, or not installed)."""
+    from packaging.version import Version
+
+    have = have if have is not None else installed(pkg)
+    if have is None or pkg not in NEWEST:
+        return None
+    return have if Version(have.split("+")[0]) > Version(NEWEST[pkg]) else None
 
 
 @functools.lru_cache(maxsize=None)

@@ -103,7 +103,7 @@ def enable_memory_plan() -> None:
     from hf_zero3._upstream import accelerate as acc_up
     from hf_zero3._upstream.versions import require
 
-    require("memory_plan")
+    require("core")
     patches.install(PATCHES[0], lambda: acc_up.patch_deepspeed_compile_default_schedule(_default_schedule))
     patches.install(PATCHES[1], lambda: acc_up.patch_accelerate_prepare_deepspeed(_before_prepare, _after_prepare))
 

@@ -631,7 +631,7 @@ def apply_memory_plan(engine, config: MemoryPlanConfig | None = None) -> tuple[M
     from hf_zero3._upstream.versions import require
     from hf_zero3.runtime import runtime_of
 
-    require("memory_plan")
+    require("core")
     config = config or engine_plan_config(engine)
     ok, why = deepcompile_supported()
     if not ok:

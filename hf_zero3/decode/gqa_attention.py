@@ -337,10 +337,13 @@ def _rope_fits(m, hidden, cos, sin, layer, mask) -> bool:
 def _rope_forward(module):
     ref = weakref.ref(module)  # kept per module in a weak dictionary: must not hold its key
     own = type(module).forward
+    key = hf_up.cache_keyword()  # read here, outside the compiled step's trace
 
-    def forward(hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+    def forward(hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs):
         m = ref()
-        layers = getattr(past_key_values, "layers", None)
+        # the cache: the 4th parameter of every checked release; the decoder layer passes it by keyword
+        cache = args[0] if args else kwargs.pop(key, None)
+        layers = getattr(cache, "layers", None)
         layer = layers[m.layer_idx] if layers is not None and m.layer_idx < len(layers) else None
         mask = attention_mask
         padding = _STEP["padding"]
@@ -357,7 +360,7 @@ def _rope_forward(module):
             or kwargs.get("output_attentions")
             or not _rope_fits(m, hidden_states, *position_embeddings, layer, mask)
         ):
-            out = own(m, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+            out = own(m, hidden_states, position_embeddings, attention_mask, cache, **kwargs)
             if layer is not None and hidden_states.shape[1] == 1:
                 layer.cumulative_length.sub_(1)  # the loop's advance() counts this layer's step
             return out

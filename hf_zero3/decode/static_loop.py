@@ -78,7 +78,7 @@ GRAPH_SAFE_CRITERIA = frozenset({"MaxLengthCriteria", "EosTokenCriteria"})
 _MODEL_KWARGS = frozenset(
     {
         "attention_mask",
-        "past_key_values",
+        *hf_up.CACHE_KEYWORDS,
         "use_cache",
         "output_attentions",
         "output_hidden_states",
@@ -140,7 +140,7 @@ def unsupported(
     mask = model_kwargs.get("attention_mask")
     if mask is not None and mask.dim() != 2:
         return "attention_mask is not a 2-D padding mask"
-    cache = model_kwargs.get("past_key_values")
+    cache = hf_up.generation_cache(model_kwargs)
     if cache is None or not _static_layers(cache):
         return "the cache is not transformers' StaticCache (StaticLayer layers)"
     room = _cache_length(cache)
@@ -286,8 +286,8 @@ def _prefill(model, input_ids, mask, positions, cache, compile: bool = True) -> 
         input_ids=input_ids,
         attention_mask=mask,
         position_ids=positions,
-        past_key_values=cache,
         use_cache=True,
+        **hf_up.cache_arguments(cache),
         **_forward_kwargs(model),
     )
     if compile and model not in _PREFILL_FAILED:
@@ -447,8 +447,8 @@ class _Loop:
             input_ids=self.tok.view(-1, 1),
             attention_mask=self.mask,
             position_ids=self.pos.view(-1, 1),
-            past_key_values=self.cache,
             use_cache=True,
+            **hf_up.cache_arguments(self.cache),
             **self.extra,
         )
         with contextlib.ExitStack() as parts:
@@ -784,7 +784,7 @@ def decode(
     (:meth:`DecodeOptions.resolved`)."""
     torch_up.pin_triton_ptxas()  # before the first compile: warm caches hit in every process
     budget = int(call.budget)
-    cache = model_kwargs["past_key_values"]
+    cache = hf_up.generation_cache(model_kwargs)
     eos = _eos_ids(stopping_criteria, input_ids.device)
     eos_key = None if eos is None else tuple(eos.tolist())  # read before the prefill is queued
     mask, positions = _prompt_inputs(input_ids, model_kwargs)

@@ -49,10 +49,21 @@ def say_eager(reason: str, loud: bool) -> None:
 
 
 def say_once(message: str, loud: bool = False) -> None:
-    """One log line per distinct message (why decoding fell back), a warning when ``loud``."""
+    """One log line per distinct message (why decoding fell back), a warning when ``loud``: a
+    fallback on CUDA, where the user loses the fast path (see :func:`loud_on`), names
+    ``hf_zero3 env``, which lists what this install can run."""
     if message not in _SAID:
         _SAID.add(message)
-        (log.warning if loud else log.info)("hf_zero3 lockstep: %s", message)
+        if loud:
+            log.warning("hf_zero3 lockstep: %s (`hf_zero3 env` lists what this install can run)", message)
+        else:
+            log.info("hf_zero3 lockstep: %s", message)
+
+
+def loud_on(model, mode: str) -> bool:
+    """A fallback is said as a warning: asked for (``decode="compiled"``), or on CUDA, where
+    ``decode="auto"`` would have compiled (on the CPU the eager path is the default one)."""
+    return mode == "compiled" or getattr(getattr(model, "device", None), "type", "cpu") == "cuda"
 
 
 def _gen_value(model, kwargs: dict, name: str, default=None):
@@ -76,8 +87,8 @@ def resolve(model, mode: str, kwargs: dict, trl: str | None = None) -> tuple[boo
         reason = "encoder-decoder model"
     elif (_gen_value(model, kwargs, "num_beams", 1) or 1) > 1:
         reason = "beam search (num_beams > 1)"
-    elif kwargs.get("past_key_values") is not None:
-        reason = "a cache was passed in (past_key_values)"
+    elif hf_up.passed_cache(kwargs) is not None:
+        reason = "a cache was passed in"
     elif _gen_value(model, kwargs, "cache_implementation") not in (None, "static"):
         reason = f"cache_implementation={_gen_value(model, kwargs, 'cache_implementation')!r}"
     elif not _gen_value(model, kwargs, "max_new_tokens"):
@@ -96,7 +107,7 @@ def resolve(model, mode: str, kwargs: dict, trl: str | None = None) -> tuple[boo
     elif mode == "auto" and getattr(getattr(model, "device", None), "type", "cpu") != "cuda":
         reason = "decode='auto' compiles on CUDA only (decode='compiled' forces it)"
     if reason is not None:
-        say_eager(reason, loud=mode == "compiled")
+        say_eager(reason, loud=loud_on(model, mode))
         return False, reason
     return True, None
 

@@ -339,6 +339,8 @@ class _Call:
         self.stats.graphs_reused = graphs_reused
         self.stats.prefill, self.stats.prefill_reason = prefill, prefill_reason
         self.stats.decode_report = report if report is not None else DecodeReport()
+        for why in self.stats.decode_report.fallbacks:  # a fenced function: the model's own code runs
+            compiled_decode.say_once(f"the fast decode path keeps the model's own code: {why}", loud=compiled)
         if not compiled:
             self.stats.decode = "eager"
             self.stats.decode_reason = static_loop.failure(self.model)
@@ -444,12 +446,14 @@ class Zero3GenerationMixin:
             if call.cfg.decode == "eager" or not ok or call.own_loop_only:
                 return False
             return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
-        cache = model_kwargs.get("past_key_values")
-        if ok and not getattr(cache, "is_compileable", False):
+        broken = hf_up.contract_problems() if ok else ()
+        if broken:  # a release that moved what the compiled path reads: never a silent fallback
+            ok, why = False, broken[0]
+        elif ok and not getattr(hf_up.generation_cache(model_kwargs), "is_compileable", False):
             ok, why = False, "the cache transformers prepared is not compileable"
         if not ok:
             call.stats.decode_reason = why
-            compiled_decode.say_eager(why, loud=call.cfg.decode == "compiled")
+            compiled_decode.say_eager(why, loud=compiled_decode.loud_on(self, call.cfg.decode))
             return False
         call.stats.decode = "compiled"
         return True
@@ -473,7 +477,7 @@ class Zero3GenerationMixin:
             and self._valid_auto_compile_criteria(model_kwargs, generation_config)
         ):
             # either loop's prompt forward would move each static layer's fill count with a host sync
-            hf_up.static_cache_counters_on(model_kwargs.get("past_key_values"), input_ids.device)
+            hf_up.static_cache_counters_on(hf_up.generation_cache(model_kwargs), input_ids.device)
             why = static_loop.unsupported(
                 self,
                 logits_processor,
@@ -501,9 +505,12 @@ class Zero3GenerationMixin:
                 call.stats.decode_reason = (
                     f"disable_compile=True ({call.rt.trl_trainer}) and not hf_zero3's loop: {why}"
                 )
-                compiled_decode.say_eager(call.stats.decode_reason, loud=False)
+                compiled_decode.say_eager(call.stats.decode_reason, loud=compiled_decode.loud_on(self, "auto"))
             else:
-                compiled_decode.say_once(f"transformers' compiled loop instead of hf_zero3's static loop: {why}")
+                compiled_decode.say_once(
+                    f"transformers' compiled loop instead of hf_zero3's static loop: {why}",
+                    loud=compiled_decode.loud_on(self, "auto"),
+                )
                 # its compiled forward would trace DeepSpeed's forward prologue too (see
                 # _upstream.deepspeed.engine_forward_hooks); the whole model is gathered, so it has nothing to do
                 prologue = ds_up.engine_forward_hooks_suspended(self)

@@ -8,6 +8,8 @@ import os
 import pytest
 import torch
 
+from hf_zero3._upstream import transformers as hf_up
+
 triton = pytest.importorskip("triton", reason="the kernel tests need Triton (installed with the test extra)")
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",
@@ -103,7 +105,7 @@ def test_a_llama_decode_step_through_the_kernel_matches_its_own_attention():
     for name in (None, gqa_attention.KERNEL):
         cache = StaticCache(config=model.config, max_cache_len=80)
         with torch.no_grad():
-            model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+            model(input_ids=ids, attention_mask=mask, **hf_up.cache_arguments(cache), use_cache=True)
             step_mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
             positions = (step_mask.cumsum(-1) - 1)[:, -1:]
             with gqa_attention.use(model, name):
@@ -111,7 +113,7 @@ def test_a_llama_decode_step_through_the_kernel_matches_its_own_attention():
                     input_ids=torch.tensor([[11], [12]]),
                     attention_mask=step_mask,
                     position_ids=positions,
-                    past_key_values=cache,
+                    **hf_up.cache_arguments(cache),
                     use_cache=True,
                 )
         logits[name] = out.logits
@@ -303,7 +305,7 @@ def test_llama_decode_steps_with_qkv_partials_match_the_fused_projection(monkeyp
     for qkv in (None, split_op):
         cache = StaticCache(config=model.config, max_cache_len=16)
         with torch.no_grad():
-            model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+            model(input_ids=ids, attention_mask=mask, **hf_up.cache_arguments(cache), use_cache=True)
             bound = gqa_attention.rope_bind(model, names, cache)
             whole = torch.ones(2, 16, dtype=mask.dtype)
             whole[:, :4] = mask
@@ -320,7 +322,7 @@ def test_llama_decode_steps_with_qkv_partials_match_the_fused_projection(monkeyp
                             input_ids=torch.tensor(tok),
                             attention_mask=whole,
                             position_ids=positions,
-                            past_key_values=cache,
+                            **hf_up.cache_arguments(cache),
                             use_cache=True,
                         ).logits.float()
                     )
@@ -370,7 +372,7 @@ def test_llama_decode_steps_with_the_rope_kernel_match_its_own_attention(monkeyp
         whole = torch.ones(2, 80, dtype=mask.dtype)
         whole[:, : mask.shape[1]] = mask
         with torch.no_grad():
-            model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+            model(input_ids=ids, attention_mask=mask, **hf_up.cache_arguments(cache), use_cache=True)
             bound = gqa_attention.rope_bind(model, names, cache) if case != "own" else []
             assert len(bound) == (len(names) if case != "own" else 0)
             extra = dict(padding_mask=whole, rotaries=rotaries) if case == "padding" else {}
@@ -382,7 +384,7 @@ def test_llama_decode_steps_with_the_rope_kernel_match_its_own_attention(monkeyp
                         input_ids=torch.tensor(tok),
                         attention_mask=whole if extra else step_mask,
                         position_ids=positions,
-                        past_key_values=cache,
+                        **hf_up.cache_arguments(cache),
                         use_cache=True,
                     )
                 gqa_attention.advance(bound, cache)

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from hf_zero3._upstream import transformers as hf_up
 from hf_zero3.decode import features
 from hf_zero3.options import DecodeOptions
 
@@ -34,7 +35,7 @@ def parts():
     cache = StaticCache(config=model.config, max_cache_len=16)
     ids = torch.tensor([[3, 4, 5], [6, 7, 8]])
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)  # allocates the cache's tensors
+        model(input_ids=ids, **hf_up.cache_arguments(cache), use_cache=True)  # allocates the cache's tensors
     return model, cache, ids, GenerationConfig(do_sample=False)
 
 
@@ -133,7 +134,7 @@ def test_a_4d_attention_mask_keeps_transformers_loop(parts):
     from hf_zero3.decode import static_loop as gd
 
     model, cache, ids, cfg = parts
-    kwargs = {"past_key_values": cache, "attention_mask": torch.ones(2, 1, 3, 16, dtype=torch.bool)}
+    kwargs = {**hf_up.cache_arguments(cache), "attention_mask": torch.ones(2, 1, 3, 16, dtype=torch.bool)}
     assert "2-D padding mask" in gd.unsupported(model, [], [], cfg, None, kwargs, 8)
     kwargs["attention_mask"] = torch.ones(2, 3, dtype=torch.long)
     assert gd.unsupported(model, [], [], cfg, None, kwargs, 8) is None

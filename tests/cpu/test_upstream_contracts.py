@@ -1,7 +1,7 @@
 """Contract tests: one per accessor of ``hf_zero3._upstream`` (every private read of DeepSpeed,
 transformers, accelerate, TRL and torch), each on real objects of the installed release. A library
-upgrade that moves an attribute fails here, by name. Versions checked: each module's ``CHECKED``
-(DeepSpeed 0.19.8, transformers 5.23.0, accelerate 1.15.0, TRL 1.16.0, torch 2.13.0+cpu);
+upgrade that moves an attribute fails here, by name. Versions checked: each module's ``CHECKED``, which
+covers every release set CI runs (``_upstream.versions.RELEASE_SETS``);
 DeepCompile's accessors need CUDA and are exercised by the GPU tests (tests/gpu)."""
 
 from __future__ import annotations
@@ -21,10 +21,91 @@ from hf_zero3.testing import run_ranks
 
 
 def test_checked_versions_are_the_tested_ones():
-    from hf_zero3._upstream.versions import TESTED
+    """Every release CI runs (each release set of ``_upstream.versions``) is one each module's
+    accessors were checked against."""
+    from hf_zero3._upstream.versions import RELEASE_SETS
 
-    assert TESTED["deepspeed"] in ds_up.CHECKED and TESTED["transformers"] in hf_up.CHECKED
-    assert TESTED["accelerate"] in acc_up.CHECKED and TESTED["trl"] in trl_up.CHECKED
+    for name, releases in RELEASE_SETS.items():
+        assert releases["deepspeed"] in ds_up.CHECKED, name
+        assert releases["transformers"] in hf_up.CHECKED, name
+        assert releases["accelerate"] in acc_up.CHECKED, name
+        assert releases["trl"] in trl_up.CHECKED, name
+
+
+def test_transformers_generation_contract_holds():
+    """Everything the fast decode path reads of transformers' generation is there: the KV cache's
+    keyword (``cache`` from 5.25, ``past_key_values`` before) in generate()'s model inputs, model
+    forwards and its output class, the static cache classes, the overridden private methods."""
+    hf_up.recheck_generation()
+    assert hf_up.contract_problems() == ()
+    key = hf_up.cache_keyword()
+    assert key in hf_up.CACHE_KEYWORDS
+    from transformers import StaticCache
+
+    from hf_zero3.testing import models
+
+    model = models.plain_model(models.tiny_llama_config()).eval()
+    cache = StaticCache(config=model.config, max_cache_len=8)
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=True, **hf_up.cache_arguments(cache))
+    assert out[key] is cache and cache.layers[0].is_initialized  # the forward filled the cache passed by that name
+    kwargs = {key: cache}
+    assert hf_up.generation_cache(kwargs) is cache and hf_up.passed_cache({key: cache}) is cache
+    assert hf_up.decoder_only_output(torch.zeros(1, 2), cache)[key] is cache
+
+
+def _rename_cache_keyword():
+    """Simulate a transformers release that takes the KV cache as ``kv_cache``: generate() still
+    works (the old keyword passes through), every read of hf_zero3's fast path would miss it."""
+    from transformers.generation.utils import GenerationMixin
+
+    original = GenerationMixin.prepare_inputs_for_generation
+
+    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, kv_cache=None, **kwargs):
+        return original(self, input_ids, next_sequence_length, **kwargs)
+
+    return GenerationMixin, "prepare_inputs_for_generation", prepare_inputs_for_generation
+
+
+def _generate_after_a_rename():
+    from _zero3_workers import build_engine
+
+    import hf_zero3
+
+    engine, ref = build_engine(hf_aware=False)
+    owner, name, renamed = _rename_cache_keyword()
+    setattr(owner, name, renamed)
+    hf_up.recheck_generation()
+    ids = torch.tensor([[3, 4, 5, 6]])
+    gen = dict(max_new_tokens=6, pad_token_id=0, do_sample=False)
+    with torch.no_grad():
+        out = hf_zero3.lockstep_generate(engine, input_ids=ids, gather="all", decode="compiled", **gen)
+        exp = ref.generate(input_ids=ids, **gen)
+    stats = engine.module.hf_zero3_last_generate
+    return out.tolist(), exp.tolist(), stats.decode, stats.decode_reason
+
+
+def test_a_renamed_cache_keyword_falls_back_with_the_reason():
+    """decode="compiled" on a release that renamed the cache's keyword: transformers' eager loop,
+    the right tokens, and the reason naming the read, not a silent fallback."""
+    out, exp, decode, reason = run_ranks(_generate_after_a_rename, 1, init="deepspeed", timeout=120, pg_timeout=30)[0]
+    assert out == exp
+    assert decode == "eager" and "the KV cache's keyword" in reason and "transformers" in reason, reason
+
+
+def test_a_renamed_cache_keyword_fails_the_contract_by_name(monkeypatch):
+    """A release that renames the cache's keyword again fails the contract test, naming the read."""
+    monkeypatch.setattr(*_rename_cache_keyword())
+    hf_up.recheck_generation()
+    try:
+        assert hf_up.cache_keyword() is None
+        assert hf_up.generation_cache({"past_key_values": 1, "cache": 2}) is None
+        with pytest.raises(AssertionError, match="the KV cache's keyword"):
+            test_transformers_generation_contract_holds()
+    finally:
+        monkeypatch.undo()
+        hf_up.recheck_generation()
+    assert hf_up.contract_problems() == ()
 
 
 def _deepspeed_engine_contracts():
