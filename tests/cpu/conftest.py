@@ -1,5 +1,6 @@
 import os
 
+import pytest
 import torch
 
 # On a CPU-only host the CPU tests run Triton kernels (hf_zero3.kernels) under Triton's
@@ -27,3 +28,16 @@ LONG_MODULES_FIRST = (
 def pytest_collection_modifyitems(items):
     order = {name: i for i, name in enumerate(LONG_MODULES_FIRST)}
     items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: a module keeps its order
+
+
+@pytest.fixture
+def newer_transformers(monkeypatch):
+    """Call it to make the installed metadata say transformers 5.99.0: newer than every release set
+    CI runs (``hf_zero3._upstream.versions``); undone with the test's monkeypatch."""
+    from hf_zero3._upstream import versions
+
+    def newer(release: str = "5.99.0") -> None:
+        real = versions.installed
+        monkeypatch.setattr(versions, "installed", lambda pkg: release if pkg == "transformers" else real(pkg))
+
+    return newer

@@ -1,0 +1,231 @@
+"""``hf_zero3 env``: what this install runs, in the manner of ``accelerate env`` and ``ds_report``.
+
+Three parts, each a list of rows (``name``, ``value``, ``status``, ``note``): the installed releases
+against CI's floor, pinned and newest sets; which parts of the fast path this install can run and
+why not (CUDA, Triton, the native gate, DeepCompile, transformers' generation contract, every
+transformers function the decode path computes itself); and with a model config, which decode
+parts that model would get. The model is built on the meta device: no weights are read.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from dataclasses import asdict, dataclass
+
+from ._upstream import transformers as hf_up
+from ._upstream import versions
+
+__all__ = ["Row", "version_rows", "fast_path_rows", "model_rows", "report", "render"]
+
+PACKAGES = ("torch", "deepspeed", "transformers", "accelerate", "trl", "peft")
+OK, NO, WARN = "ok", "no", "warn"
+
+
+@dataclass
+class Row:
+    name: str
+    value: str
+    status: str  # ok / warn / no
+    note: str = ""
+
+
+def version_rows() -> list[Row]:
+    """One row per library: its installed release against the floor and the tested releases."""
+    from packaging.version import Version
+
+    rows = [Row("python", platform.python_version(), OK)]
+    floors = {k: v for d in versions.MINIMUM.values() for k, v in d.items()}
+    for pkg in PACKAGES:
+        have = versions.installed(pkg)
+        tested = versions.TESTED[pkg]
+        floor = floors.get(pkg)
+        if have is None:
+            rows.append(Row(pkg, "not installed", NO, f"floor {floor}; tested {tested}"))
+            continue
+        release = Version(have.split("+")[0])
+        tested_set = {s[pkg] for s in versions.RELEASE_SETS.values()} | (
+            {versions.GPU_TORCH} if pkg == "torch" else set()
+        )
+        if floor is not None and release < Version(floor):
+            rows.append(Row(pkg, have, NO, f"below the floor {floor}: pip install -U '{pkg}>={floor}'"))
+        elif versions.newer_than_checked(pkg, have):
+            rows.append(
+                Row(
+                    pkg, have, WARN, f"newer than the newest checked ({versions.NEWEST[pkg]}): the fast path falls back"
+                )
+            )
+        elif str(release) in tested_set:
+            rows.append(Row(pkg, have, OK, f"tested ({tested})"))
+        else:
+            rows.append(Row(pkg, have, OK, f"between tested releases ({tested})"))
+    return rows
+
+
+def fast_path_rows() -> list[Row]:
+    """Which parts of the fast path this install can run, and why not."""
+    import torch
+
+    from . import _ext
+    from ._upstream import deepspeed as ds_up
+    from .kernels import _triton, gqa_decode
+
+    rows = []
+    cuda = torch.cuda.is_available()
+    rows.append(
+        Row(
+            "CUDA",
+            torch.cuda.get_device_name(0) if cuda else "not available",
+            OK if cuda else NO,
+            "" if cuda else "decode='auto' decodes eagerly on the CPU; DeepCompile and the Triton kernels need CUDA",
+        )
+    )
+    missing = _triton.missing()
+    rows.append(Row("Triton", versions.installed("triton") or "not installed", NO if missing else OK, missing or ""))
+    rows.append(
+        Row(
+            "decode attention kernel",
+            "Triton" if gqa_decode.is_available() else "PyTorch form",
+            OK if gqa_decode.is_available() and cuda else WARN,
+            gqa_decode.unavailable_reason() or ("" if cuda else "runs on CUDA"),
+        )
+    )
+    supported, why = ds_up.deepcompile_supported()
+    rows.append(Row("DeepCompile", "supported" if supported else "not supported", OK if supported else NO, why))
+    native = _ext.is_available()
+    rows.append(
+        Row(
+            "native prefetch gate",
+            "built" if native else "PyTorch fallback",
+            OK if native else WARN,
+            _ext.unavailable_reason() or "",
+        )
+    )
+    problems = hf_up.contract_problems()
+    rows.append(
+        Row(
+            "generation contract",
+            f"cache keyword {hf_up.cache_keyword()!r}" if not problems else "broken",
+            NO if problems else OK,
+            "; ".join(problems) if problems else "every read of transformers' generation is present",
+        )
+    )
+    for path in hf_up.CHECKED_SOURCES:
+        why = hf_up.unchecked_reason(path)
+        parts = path.split(".")
+        short = ".".join(parts[-2:]) if not parts[-2].startswith("modeling_") else parts[-1]
+        rows.append(
+            Row(short, "checked" if why is None else "model's own code", OK if why is None else WARN, why or "")
+        )
+    return rows
+
+
+def _config(source: str):
+    """A transformers config from a directory, a ``config.json`` file or a Hub-style name already
+    in the local cache (no download: ``HF_HUB_OFFLINE`` is honoured by transformers)."""
+    import os
+
+    from transformers import AutoConfig
+
+    if os.path.isfile(source):
+        with open(source) as f:
+            data = json.load(f)
+        model_type = data.pop("model_type", None)
+        if not model_type:
+            raise ValueError(f"{source} has no model_type: pass a model directory or its config.json")
+        return AutoConfig.for_model(model_type, **data)
+    return AutoConfig.from_pretrained(source)
+
+
+def model_rows(source: str) -> list[Row]:
+    """Which decode parts a model of ``source``'s config would get, built on the meta device."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .decode import families, fused_qkv, gqa_attention, mlp_kernels
+
+    config = _config(source)
+    # the decode path's kernels take half-precision weights: the config's, else bf16 (a float32
+    # model decodes through the model's own MLP)
+    dtype = getattr(config, "dtype", None)
+    dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    dtype = dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    family = families.FAMILIES.get(config.model_type)
+    rows = [
+        Row("model", f"{type(model).__name__} ({config.model_type}, {str(dtype).replace('torch.', '')})", OK),
+        Row(
+            "family",
+            family.model_type if family else "none",
+            OK if family else WARN,
+            "" if family else "the MLP and attention run the model's own code (the static loop still applies)",
+        ),
+        Row(
+            "compileable",
+            str(hf_up.can_compile_fullgraph(model)),
+            OK if hf_up.can_compile_fullgraph(model) else NO,
+            "" if hf_up.can_compile_fullgraph(model) else "transformers does not mark it _can_compile_fullgraph",
+        ),
+        Row("attention", str(hf_up.attention_implementation(model.config)), OK),
+    ]
+    gqa = gqa_attention.applies(model)
+    rows.append(
+        Row(
+            "decode attention",
+            "hf_zero3 GQA attention" if gqa else "model's own",
+            OK if gqa else WARN,
+            "Triton kernel on CUDA where it pays" if gqa else "not a GQA model of transformers' attention interface",
+        )
+    )
+    rope = gqa_attention.rope_plan(model, gqa_attention.KERNEL)
+    rows.append(Row("rope kernel", f"{len(rope)} attention modules", OK if rope else WARN))
+    mlps = [n for n, m in model.named_modules() if mlp_kernels.applies(m)]
+    rows.append(Row("MLP kernels", f"{len(mlps)} MLP modules", OK if mlps else WARN))
+    rows.append(Row("fused q/k/v", f"{len(fused_qkv.plan(model))} attention modules", OK))
+    for why in families.fallbacks(model):
+        rows.append(Row("fallback", "model's own code", WARN, why))
+    return rows
+
+
+def report(model: str | None = None) -> dict:
+    """Every part as ``{"versions": [...], "fast_path": [...], "model": [...]}`` of row dicts."""
+    out = {"versions": version_rows(), "fast_path": fast_path_rows()}
+    if model is not None:
+        out["model"] = model_rows(model)
+    return {k: [asdict(r) for r in rows] for k, rows in out.items()}
+
+
+def render(data: dict) -> str:
+    """The report as aligned text, one table per part."""
+    titles = {"versions": "Versions", "fast_path": "Fast path", "model": "Model (decode parts on CUDA)"}
+    lines = []
+    for part, rows in data.items():
+        lines.append(f"{titles[part]}:")
+        width = max(len(r["name"]) for r in rows)
+        vwidth = max(len(r["value"]) for r in rows)
+        for r in rows:
+            note = f"  {r['note']}" if r["note"] else ""
+            lines.append(f"  {r['name']:<{width}}  {r['value']:<{vwidth}}  [{r['status']}]{note}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``hf_zero3 env [--model CONFIG_OR_DIR] [--json]``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="hf_zero3", description="hf_zero3's command line")
+    sub = parser.add_subparsers(dest="command", required=True)
+    env = sub.add_parser("env", help="installed versions, and which fast-path parts this install can run")
+    env.add_argument("--model", help="a model directory or config.json: which decode parts it would get")
+    env.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = parser.parse_args(argv)
+    data = report(args.model)
+    print(json.dumps(data, indent=2) if args.json else render(data), file=sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
