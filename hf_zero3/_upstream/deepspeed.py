@@ -155,6 +155,17 @@ def engine_forward_hooks(module: nn.Module) -> list[tuple[dict, int]]:
     return found
 
 
+def remove_engine_forward_hooks(engine) -> None:
+    """Remove ``engine``'s forward prologue/epilogue hooks from its module: ``destroy()`` leaves
+    them (DeepSpeed 0.19.8), and a freed engine's prologue would still run in every forward of a
+    module a new engine wraps."""
+    for name in ("module_forward_pre_hook", "module_forward_post_hook"):
+        handle = getattr(engine, name, None)
+        if handle is not None:
+            handle.remove()
+            setattr(engine, name, None)
+
+
 def engine_forward_hooks_suspended(module: nn.Module):
     """Inside: the engine's forward prologue/epilogue hooks on ``module`` do not run."""
     from .torch import hooks_suspended

@@ -377,6 +377,49 @@ def trainer_deepspeed_config(trainer) -> dict | None:
     return config if isinstance(config, dict) else None
 
 
+# -- transformers: an evaluation before training leaves a freed inference engine behind -----------
+# ``Trainer.evaluation_loop`` builds a ZeRO-3 inference engine when the Trainer has no engine yet
+# (``deepspeed_init(..., inference=True)``), which also deletes the optimizer from the DeepSpeed
+# config the Trainer, accelerate's plugin and transformers share, and writes its scheduler's
+# "auto" step counts for 0 steps. ``train()`` then frees that engine (``accelerator.free_memory``)
+# while ``model_wrapped`` and ``deepspeed`` still point at it: no training engine is built and the
+# first ``backward`` fails on None; with the config as it was left, a training engine would use the
+# Trainer's own optimizer instead of the config's. transformers 5.17-5.25 (upstream: transformers
+# PR #44889, open).
+def pretrain_eval_config(trainer) -> dict | None:
+    """A copy of the DeepSpeed config ``trainer`` shares, when its next evaluation builds an
+    inference engine (DeepSpeed on, no engine yet; None otherwise)."""
+    import copy
+
+    if not getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "deepspeed", None) is not None:
+        return None
+    config = trainer_deepspeed_config(trainer)
+    return copy.deepcopy(config) if config is not None else None
+
+
+def forget_inference_engine(trainer, config: dict) -> bool:
+    """Put ``trainer`` back as it was before an evaluation built its inference engine: the shared
+    DeepSpeed config restored in place to ``config`` (:func:`pretrain_eval_config`'s copy), the
+    engine freed with its forward hooks, ``model_wrapped`` the model and no ``deepspeed``, so that
+    ``train()`` builds its engine from the user's config. Returns whether an engine was freed."""
+    import copy
+
+    from .deepspeed import remove_engine_forward_hooks
+
+    live = trainer_deepspeed_config(trainer)
+    if live is not None and live != config:
+        live.clear()
+        live.update(copy.deepcopy(config))
+    engine = getattr(trainer, "deepspeed", None)
+    if engine is None:
+        return False
+    trainer.accelerator.free_memory()  # destroys the engine (accelerate's reference goes)
+    remove_engine_forward_hooks(engine)
+    trainer.model_wrapped = trainer.model
+    trainer.deepspeed = None
+    return True
+
+
 def hf_deepspeed_config_ref():
     """transformers' process-wide weak reference to the live ``HfDeepSpeedConfig`` (tests swap it)."""
     from transformers.integrations import deepspeed as hf_ds

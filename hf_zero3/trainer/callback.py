@@ -217,11 +217,15 @@ class Zero3Safe(TrainerCallback):
 def _collective_entry(callback: Zero3Safe, name: str, original):
     """Wrap ``Trainer.evaluate``/``predict``: on return or exception the eval region is released
     (local), and under ZeRO-3 the ranks agree the call ended, so one rank's failure is every rank's
-    (an error hf_zero3 already shared is raised as it is)."""
+    (an error hf_zero3 already shared is raised as it is). A call before ``train()`` leaves the
+    Trainer as it was: the DeepSpeed config it shares restored, its inference engine freed
+    (:func:`hf_zero3._upstream.transformers.forget_inference_engine`)."""
 
     @functools.wraps(original)
     def entry(*args, **kwargs):
         trainer = callback.trainer
+        # before train(): this call builds an inference engine that train() would trip over
+        config = hf_up.pretrain_eval_config(trainer) if trainer is not None else None
         error = None
         try:
             return original(*args, **kwargs)
@@ -231,6 +235,8 @@ def _collective_entry(callback: Zero3Safe, name: str, original):
         finally:
             model = getattr(trainer, "model", None) if trainer is not None else None
             _close(model)
+            if config is not None:  # the user's config back, the engine freed (same on every rank)
+                hf_up.forget_inference_engine(trainer, config)
             callback._attach_engine()
             shared = isinstance(error, Zero3Error) or (error is not None and not isinstance(error, Exception))
             if model is not None and zero3.is_zero3_model(model) and not shared:  # (KeyboardInterrupt: no)

@@ -1,0 +1,95 @@
+"""A script that evaluates before it trains, under strict ZeRO-3 on 2 gloo ranks with DeepSpeed's
+AdamW from the config: ``evaluate()``, ``predict()`` or ``generate()`` before ``train()`` with
+``Zero3Safe`` trains with the config's optimizer and the losses of a run that never evaluated first.
+Without it, transformers' freed inference engine makes the first step fail (the control)."""
+
+import pytest
+
+from hf_zero3.testing import mark, run_ranks
+
+
+def _train_facts(trainer) -> dict:
+    from hf_zero3.testing.trainer_job import train_losses
+
+    engine = trainer.model_wrapped
+    config = trainer.accelerator.state.deepspeed_plugin.deepspeed_config
+    return dict(
+        losses=train_losses(trainer),
+        engine_is_accelerates=engine is trainer.accelerator.deepspeed_engine_wrapped.engine,
+        # DeepSpeed built the optimizer from its config (no optimizer handed to initialize)
+        optimizer_from_config=getattr(engine, "client_optimizer", "missing") is None,
+        optimizer=type(getattr(engine.optimizer, "optimizer", None)).__name__,
+        param_groups=len(engine.optimizer.optimizer.param_groups),
+        config_optimizer=config.get("optimizer", {}).get("type"),
+    )
+
+
+def _first_eval_run(tmpdir, first: str, safe: bool):
+    import torch
+
+    from hf_zero3 import Zero3Safe
+    from hf_zero3.testing.trainer_job import make_trainer
+
+    mark(f"{first} before train (Zero3Safe: {safe})")
+    trainer = make_trainer(f"{tmpdir}/{first}{safe}", callbacks=[Zero3Safe()] if safe else [], max_steps=6)
+    out = {}
+    if first == "evaluate":
+        out["first"] = trainer.evaluate()["eval_loss"]
+    elif first == "predict":
+        out["first"] = float(torch.as_tensor(trainer.predict(trainer.eval_dataset).predictions).float().abs().sum())
+    elif first == "generate":
+        ids = trainer.eval_dataset[0]["input_ids"][None, :4]
+        out["first"] = trainer.model.generate(ids, max_new_tokens=3, do_sample=False).shape[1]
+    mark(f"train after {first}")
+    if not safe:
+        try:
+            trainer.train()
+        except AttributeError as exc:  # every rank fails the same way, before any collective
+            return {"error": str(exc)}
+        return {"error": None}
+    trainer.train()
+    out.update(_train_facts(trainer))
+    mark("evaluate after train")
+    out["after"] = trainer.evaluate()["eval_loss"]
+    return out
+
+
+def _plain_run(tmpdir):
+    from hf_zero3 import Zero3Safe
+    from hf_zero3.testing.trainer_job import make_trainer
+
+    trainer = make_trainer(f"{tmpdir}/plain", callbacks=[Zero3Safe()], max_steps=6)
+    trainer.train()
+    return _train_facts(trainer)
+
+
+def _run(tmp_path_factory, *args):
+    tmp = tmp_path_factory.mktemp("first_eval")
+    return run_ranks(_first_eval_run, 2, args=(str(tmp), *args), init="deepspeed", timeout=240, pg_timeout=30)
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("plain")
+    return run_ranks(_plain_run, 2, args=(str(tmp),), init="deepspeed", timeout=240, pg_timeout=30)
+
+
+@pytest.mark.parametrize("first", ["evaluate", "predict", "generate"])
+def test_a_call_before_train_trains_with_the_configs_optimizer(tmp_path_factory, plain, first):
+    results = _run(tmp_path_factory, first, True)
+    for rank, (got, ref) in enumerate(zip(results, plain)):
+        assert got["engine_is_accelerates"] and got["optimizer_from_config"], (rank, got)
+        assert got["config_optimizer"] == "AdamW" and got["optimizer"] == ref["optimizer"] == "AdamW"
+        assert got["param_groups"] == ref["param_groups"]
+        assert len(got["losses"]) == 6 and got["losses"][-1] < got["losses"][0]
+        # the same training as a run that never evaluated first: the user's optimizer and schedule
+        assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=1e-6), rank
+        assert got["after"] == got["after"]  # finite evaluation after training (not NaN)
+    assert results[0]["first"] == results[1]["first"]
+
+
+def test_without_zero3safe_the_first_step_after_an_evaluation_fails(tmp_path_factory):
+    """The control: transformers' Trainer alone keeps a freed inference engine."""
+    results = _run(tmp_path_factory, "evaluate", False)
+    for got in results:
+        assert got["error"] is not None and "backward" in got["error"], got
