@@ -168,8 +168,10 @@ def protected_eval(eval_first: bool = True, gather: str = "auto"):
     return out
 
 
-def trainer_deepcompile(tmpdir: str, with_zero3safe: bool):
-    """TrainingArguments(torch_compile=True, eval_steps=3) with DeepCompile ZeRO-3."""
+def trainer_deepcompile(tmpdir: str, with_zero3safe: bool, evaluate_first: bool = False):
+    """TrainingArguments(torch_compile=True, eval_steps=3) with DeepCompile ZeRO-3; with
+    ``evaluate_first`` the script takes a baseline ``evaluate()`` before ``train()`` and saves the
+    model after it (``save_model``)."""
     import torch.distributed as dist
     from transformers import Trainer, TrainingArguments
 
@@ -211,9 +213,22 @@ def trainer_deepcompile(tmpdir: str, with_zero3safe: bool):
     model = cls._from_config(llama_cfg(), dtype=torch.bfloat16)
     cbs = [Zero3Safe()] if with_zero3safe else []
     trainer = Trainer(model=model, args=args, train_dataset=Rows(32, 1), eval_dataset=Rows(6, 2), callbacks=cbs)
+    out = {}
+    if evaluate_first:
+        mark("trainer.evaluate before train")
+        out["baseline"] = trainer.evaluate()["eval_loss"]
     mark("trainer.train with eval every 3 steps")
     trainer.train()
     evals = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     planner = hf_zero3.runtime_of(trainer.model_wrapped).memory_plan
-    return dict(evals=evals, losses=losses, plan=planner.summary() if planner else None)
+    out.update(evals=evals, losses=losses, plan=planner.summary() if planner else None)
+    engine = trainer.model_wrapped
+    out["optimizer_from_config"] = getattr(engine, "client_optimizer", "missing") is None
+    if evaluate_first:
+        mark("trainer.save_model")
+        trainer.save_model(f"{tmpdir}/saved")
+        import os
+
+        out["saved"] = sorted(os.listdir(f"{tmpdir}/saved"))
+    return out

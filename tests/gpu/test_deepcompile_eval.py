@@ -65,3 +65,20 @@ def test_trainer_eval_under_deepcompile(tmp_path):
         assert len(r["losses"]) == 7
         # Zero3Safe put hf_zero3's memory plan into accelerate's engine.compile call
         assert r["plan"] and r["plan"]["graphs"] >= 2, r["plan"]
+
+
+def test_trainer_evaluates_before_training_under_deepcompile(tmp_path):
+    """A script that takes a baseline metric first: evaluate() before train() under DeepCompile
+    ZeRO-3 with Zero3Safe, then training with the config's optimizer, evaluations, save_model."""
+    from _deepcompile_workers import trainer_deepcompile
+
+    res = _run(trainer_deepcompile, str(tmp_path), True, True, timeout=480)
+    for r in res:
+        # the baseline (train() starts a new log history), then eval at steps 3, 6 and 7
+        assert math.isfinite(r["baseline"]) and len(r["evals"]) == 3 and all(math.isfinite(x) for x in r["evals"])
+        assert len(r["losses"]) == 7 and r["optimizer_from_config"]
+        assert r["plan"] and r["plan"]["graphs"] >= 2, r["plan"]
+        # the config leaves stage3_gather_16bit_weights_on_model_save off: transformers saves the
+        # config and DeepSpeed's sharded checkpoint (zero_to_fp32.py recovers the weights)
+        saved = r["saved"]
+        assert "config.json" in saved and any(f.startswith("global_step") for f in saved), saved
