@@ -13,6 +13,8 @@ The line before each fenced block (blank lines allowed between) is one HTML comm
   DeepSpeed file it names; a DeepSpeed config (or fragment) -> ``MemoryPlanConfig.from_ds_config``
   (and the plugin, for a whole config). A block whose paragraph says "This is `examples/...`"
   must equal that file.
+* ``<!-- example: output -->``: a text block of ``hf_zero3 env``'s output (with ``--model`` of a
+  small Llama config): its parts and row names are the ones the command prints here.
 * ``<!-- gpu-only -->``: not run; the paragraph right before it must say "GPU only".
 
 A block whose code is identical to one already run (a README quick start repeated in its guide)
@@ -35,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 README_LIMIT = 12_000
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^`]*)$")
-_MARKER = re.compile(r"^<!--\s*(?:example:\s*(?P<kind>ranks=(?P<n>\d+)|shell|config)|(?P<gpu>gpu-only))\s*-->$")
+_MARKER = re.compile(r"^<!--\s*(?:example:\s*(?P<kind>ranks=(?P<n>\d+)|shell|config|output)|(?P<gpu>gpu-only))\s*-->$")
 _PY, _SHELL, _CONFIG = {"python", "py"}, {"bash", "sh", "shell", "console"}, {"yaml", "yml", "json"}
 
 
@@ -45,7 +47,7 @@ class Block:
     line: int  # 1-based line of the opening fence
     lang: str
     code: str
-    marker: str | None  # "ranks=N", "shell", "config", "gpu-only" or None
+    marker: str | None  # "ranks=N", "shell", "config", "output", "gpu-only" or None
     paragraph: str  # the text paragraph right before the marker (or the block)
 
     @property
@@ -267,7 +269,8 @@ def test_doc_block(block):
     if block.marker is None:
         pytest.fail(
             f"{block.id}: fenced block without a marker comment; put one of <!-- example: ranks=N -->, "
-            "<!-- example: shell -->, <!-- example: config -->, <!-- gpu-only --> on the line before it"
+            "<!-- example: shell -->, <!-- example: config -->, <!-- example: output -->, <!-- gpu-only --> "
+            "on the line before it"
         )
     if block.marker == "gpu-only":
         assert "GPU only" in block.paragraph, (
@@ -277,8 +280,33 @@ def test_doc_block(block):
         _run_ranks_block(block, int(block.marker.split("=")[1]))
     elif block.marker == "shell":
         _check_shell(block)
+    elif block.marker == "output":
+        _check_env_output(block)
     else:
         _check_config(block)
+
+
+def _env_rows(text: str) -> dict:
+    """``hf_zero3 env``'s text output as {part title: [row names]}."""
+    parts, part = {}, None
+    for line in text.splitlines():
+        if line and not line.startswith(" "):
+            part = line.rstrip(":")
+            parts[part] = []
+        elif line.strip():
+            parts[part].append(re.split(r"\s{2,}", line.strip())[0])
+    return parts
+
+
+def _check_env_output(block: Block) -> None:
+    from hf_zero3 import env
+    from hf_zero3.testing import models
+
+    assert "hf_zero3 env" in block.paragraph, f"{block.id}: an output block names its command"
+    with tempfile.TemporaryDirectory() as tmp:
+        models.tiny_llama_config().save_pretrained(tmp)
+        printed = env.render(env.report(tmp))
+    assert _env_rows(block.code) == _env_rows(printed), block.id
 
 
 def test_docs_have_examples():
