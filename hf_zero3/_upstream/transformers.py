@@ -377,31 +377,41 @@ def trainer_deepspeed_config(trainer) -> dict | None:
     return config if isinstance(config, dict) else None
 
 
-# -- transformers: an evaluation before training leaves a freed inference engine behind -----------
-# ``Trainer.evaluation_loop`` builds a ZeRO-3 inference engine when the Trainer has no engine yet
-# (``deepspeed_init(..., inference=True)``), which also deletes the optimizer from the DeepSpeed
-# config the Trainer, accelerate's plugin and transformers share, and writes its scheduler's
-# "auto" step counts for 0 steps. ``train()`` then frees that engine (``accelerator.free_memory``)
-# while ``model_wrapped`` and ``deepspeed`` still point at it: no training engine is built and the
-# first ``backward`` fails on None; with the config as it was left, a training engine would use the
-# Trainer's own optimizer instead of the config's. transformers 5.17-5.25 (upstream: transformers
-# PR #44889, open).
+# -- transformers: a Trainer keeps pointing at the engine it frees --------------------------------
+# ``train()`` starts by freeing the engine the Trainer has (``accelerator.free_memory``) while
+# ``model_wrapped`` and ``deepspeed`` still point at it: ``_wrap_model`` hands the freed engine back,
+# no training engine is built and the first ``backward`` fails on None. Two ways in: ``evaluate()``
+# or ``predict()`` before training (``evaluation_loop`` builds a ZeRO-3 inference engine, and
+# ``deepspeed_init(inference=True)`` also deletes the optimizer from the DeepSpeed config the
+# Trainer, accelerate's plugin and transformers share, and writes its scheduler's "auto" step
+# counts for 0 steps), and a second ``train()`` (the first engine; the config's "auto"s filled for
+# the first run). transformers 5.17-5.25 (upstream: transformers PR #44889, open).
+def trainer_has_engine(trainer) -> bool:
+    """``trainer`` holds a DeepSpeed engine (its ``deepspeed``) that its next ``train()`` would free."""
+    return getattr(trainer, "deepspeed", None) is not None
+
+
 def pretrain_eval_config(trainer) -> dict | None:
     """A copy of the DeepSpeed config ``trainer`` shares, when its next evaluation builds an
     inference engine (DeepSpeed on, no engine yet; None otherwise)."""
+    if not getattr(trainer, "is_deepspeed_enabled", False) or trainer_has_engine(trainer):
+        return None
+    return trainer_deepspeed_config_copy(trainer)
+
+
+def trainer_deepspeed_config_copy(trainer) -> dict | None:
+    """A deep copy of the DeepSpeed config ``trainer`` shares (None: no DeepSpeed)."""
     import copy
 
-    if not getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "deepspeed", None) is not None:
-        return None
     config = trainer_deepspeed_config(trainer)
     return copy.deepcopy(config) if config is not None else None
 
 
-def forget_inference_engine(trainer, config: dict) -> bool:
-    """Put ``trainer`` back as it was before an evaluation built its inference engine: the shared
-    DeepSpeed config restored in place to ``config`` (:func:`pretrain_eval_config`'s copy), the
-    engine freed with its forward hooks, ``model_wrapped`` the model and no ``deepspeed``, so that
-    ``train()`` builds its engine from the user's config. Returns whether an engine was freed."""
+def forget_engine(trainer, config: dict) -> bool:
+    """Put ``trainer`` back as it was before it built its engine: the shared DeepSpeed config
+    restored in place to ``config`` (a copy taken before), the engine freed with its forward hooks,
+    ``model_wrapped`` the model and no ``deepspeed``, so that ``train()`` builds its engine from the
+    user's config. Returns whether an engine was freed."""
     import copy
 
     from .deepspeed import remove_engine_forward_hooks

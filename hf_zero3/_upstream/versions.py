@@ -64,8 +64,10 @@ class VersionError(RuntimeError):
     """An installed library is older than the feature needs (the message names the fix)."""
 
 
+@functools.lru_cache(maxsize=None)
 def installed(pkg: str) -> str | None:
-    """The installed release of ``pkg`` (None: not installed)."""
+    """The installed release of ``pkg`` (None: not installed; read once per process: the decode
+    path asks at every call)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:

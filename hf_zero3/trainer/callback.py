@@ -115,6 +115,7 @@ class Zero3Safe(TrainerCallback):
         plan for a DeepCompile ZeRO-3 config, and install on its model. Local."""
         self._trainer = weakref.ref(trainer)
         self._wrap_eval_entry_points(trainer)
+        self._wrap_train(trainer)
         self._enable_memory_plan(trainer)
         self._install(model if model is not None else trainer.model)
 
@@ -173,6 +174,26 @@ class Zero3Safe(TrainerCallback):
                 continue
             setattr(trainer, name, _collective_entry(self, name, original))
 
+    def _wrap_train(self, trainer) -> None:
+        """``train`` on this Trainer instance: a second call starts from the DeepSpeed config the
+        Trainer was built with, without the engine of the first (transformers frees that engine
+        and keeps pointing at it: :func:`hf_zero3._upstream.transformers.forget_engine`). Every
+        rank calls ``train()``, so every rank does the same."""
+        original = trainer.train
+        if getattr(original, "_hf_zero3_wrapped", False):
+            return
+        config = hf_up.trainer_deepspeed_config_copy(trainer)
+
+        @functools.wraps(original)
+        def train(*args, **kwargs):
+            owner = self.trainer
+            if config is not None and owner is not None and hf_up.trainer_has_engine(owner):
+                hf_up.forget_engine(owner, config)
+            return original(*args, **kwargs)
+
+        train._hf_zero3_wrapped = True
+        trainer.train = train
+
     # -- release gathered parameters before training runs again -------------------------------
     def on_step_begin(self, args, state, control, model=None, **kwargs):
         _close(model)
@@ -219,7 +240,7 @@ def _collective_entry(callback: Zero3Safe, name: str, original):
     (local), and under ZeRO-3 the ranks agree the call ended, so one rank's failure is every rank's
     (an error hf_zero3 already shared is raised as it is). A call before ``train()`` leaves the
     Trainer as it was: the DeepSpeed config it shares restored, its inference engine freed
-    (:func:`hf_zero3._upstream.transformers.forget_inference_engine`)."""
+    (:func:`hf_zero3._upstream.transformers.forget_engine`)."""
 
     @functools.wraps(original)
     def entry(*args, **kwargs):
@@ -236,7 +257,7 @@ def _collective_entry(callback: Zero3Safe, name: str, original):
             model = getattr(trainer, "model", None) if trainer is not None else None
             _close(model)
             if config is not None:  # the user's config back, the engine freed (same on every rank)
-                hf_up.forget_inference_engine(trainer, config)
+                hf_up.forget_engine(trainer, config)
             callback._attach_engine()
             shared = isinstance(error, Zero3Error) or (error is not None and not isinstance(error, Exception))
             if model is not None and zero3.is_zero3_model(model) and not shared:  # (KeyboardInterrupt: no)

@@ -1,7 +1,8 @@
-"""A script that evaluates before it trains, under strict ZeRO-3 on 2 gloo ranks with DeepSpeed's
+"""A Trainer's life cycle beyond one train(), under strict ZeRO-3 on 2 gloo ranks with DeepSpeed's
 AdamW from the config: ``evaluate()``, ``predict()`` or ``generate()`` before ``train()`` with
-``Zero3Safe`` trains with the config's optimizer and the losses of a run that never evaluated first.
-Without it, transformers' freed inference engine makes the first step fail (the control)."""
+``Zero3Safe`` trains with the config's optimizer and the losses of a run that never evaluated first
+(without it, transformers' freed inference engine makes the first step fail: the control);
+``train()`` twice, and a run resumed from its checkpoint, train and evaluate."""
 
 import pytest
 
@@ -93,3 +94,42 @@ def test_without_zero3safe_the_first_step_after_an_evaluation_fails(tmp_path_fac
     results = _run(tmp_path_factory, "evaluate", False)
     for got in results:
         assert got["error"] is not None and "backward" in got["error"], got
+
+
+def _again_and_resume(tmpdir):
+    import math
+
+    from hf_zero3 import Zero3Safe
+    from hf_zero3.testing.trainer_job import make_trainer, train_losses
+
+    out = {}
+    mark("train twice")
+    trainer = make_trainer(f"{tmpdir}/twice", callbacks=[Zero3Safe()], max_steps=3)
+    trainer.train()
+    first = train_losses(trainer)
+    trainer.train()  # a new engine over the same partitioned model, the config's optimizer again
+    out["twice"] = (first, train_losses(trainer), _train_facts(trainer)["optimizer_from_config"])
+    out["twice_eval"] = math.isfinite(trainer.evaluate()["eval_loss"])
+    mark("train with checkpoints")
+    full = make_trainer(f"{tmpdir}/full", callbacks=[Zero3Safe()], max_steps=4)
+    full.args.save_strategy, full.args.save_steps = "steps", 2
+    full.train()
+    out["full"] = train_losses(full)
+    mark("resume from step 2")
+    resumed = make_trainer(f"{tmpdir}/resumed", callbacks=[Zero3Safe()], max_steps=4)
+    resumed.train(resume_from_checkpoint=f"{tmpdir}/full/checkpoint-2")
+    out["resumed"] = train_losses(resumed)
+    out["resumed_eval"] = math.isfinite(resumed.evaluate()["eval_loss"])
+    return out
+
+
+def test_train_twice_and_resume_from_a_checkpoint(tmp_path):
+    results = run_ranks(_again_and_resume, 2, args=(str(tmp_path),), init="deepspeed", timeout=300, pg_timeout=30)
+    for got in results:
+        first, second, from_config = got["twice"]
+        assert len(first) == 3 and len(second) == 3 and from_config
+        assert got["twice_eval"] and got["resumed_eval"]
+        # the resumed run trains steps 3-4 as the run it resumes did (same weights, optimizer state, data)
+        # (its log history comes back from the checkpoint: steps 1-2 as saved, then 3-4 trained)
+        assert len(got["full"]) == 4 and len(got["resumed"]) == 4, got
+        assert got["resumed"] == pytest.approx(got["full"], rel=1e-4, abs=1e-5), got
