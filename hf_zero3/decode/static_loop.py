@@ -89,6 +89,9 @@ _MODEL_KWARGS = frozenset(
     }
 )
 _COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit)
+# what a compiled prompt forward raises when its code fails as it runs (inductor's run-time asserts
+# raise AssertionError or TypeError, a backend's kernel RuntimeError); out of memory is re-raised
+_RUN_ERRORS = (RuntimeError, TypeError, AssertionError)
 _COMPILED: dict = {}  # (model class, dependent launches) -> its compiled __call__
 _FAILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> why its forward did not compile
 _PREFILL_FAILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> why its prompt forward did not
@@ -279,9 +282,10 @@ def _prefill(model, input_ids, mask, positions, cache, compile: bool = True) -> 
     "eager"). Compiled (``_prompt_logits``) with the prompt length dynamic, so prompts of any
     length share one graph per batch size, and with the decode steps' hook suspensions; eager as
     transformers runs it, without DeepSpeed's per-linear autograd Function under ``no_grad``, where
-    it does not compile (the reason kept per model, one log line) or without ``compile``
-    (:attr:`~hf_zero3.options.DecodeOptions.compile_prefill`).
-    Compilation fails before any kernel runs, so the eager forward after a failure starts clean."""
+    it does not compile or its compiled code fails as it runs (the reason kept per model, one log
+    line) or without ``compile`` (:attr:`~hf_zero3.options.DecodeOptions.compile_prefill`).
+    Compilation fails before any kernel runs, so the eager forward after it starts clean; after a
+    run-time failure the static cache is emptied first."""
     kwargs = dict(
         input_ids=input_ids,
         attention_mask=mask,
@@ -309,6 +313,14 @@ def _prefill(model, input_ids, mask, positions, cache, compile: bool = True) -> 
         except _COMPILE_ERRORS as exc:
             _PREFILL_FAILED[model] = why = f"the prompt's forward does not compile into one graph ({_why(exc)})"
             log.warning("hf_zero3 lockstep: eager prefill: %s", why)
+        except torch.OutOfMemoryError:
+            raise
+        except _RUN_ERRORS as exc:
+            # the compiled code failed as it ran (a backend's kernel or one of inductor's run-time
+            # asserts): the eager forward computes the same logits; local, as a prefill gathers nothing
+            _PREFILL_FAILED[model] = why = f"the compiled prompt forward failed as it ran ({_why(exc)})"
+            log.warning("hf_zero3 lockstep: eager prefill: %s", why)
+            cache.reset()  # the layers it wrote before failing start again from an empty cache
     with ds_up.zero3_linear_without_autograd():
         return model(**kwargs).logits[:, -1], "eager"
 

@@ -185,3 +185,40 @@ def test_each_option_builds_its_own_loop_and_turns_its_part_off(parts):
         mlp, rope = _part(loop, features.MLPKernels), _part(loop, features.RopeAttention)
         assert not kept and mlp.names == () and rope.names == (), change  # CPU: neither part applies
     release_decode_graphs(model)
+
+
+def test_a_compiled_prompt_forward_that_fails_as_it_runs_is_run_eagerly_on_an_emptied_cache(monkeypatch):
+    """A compiled prompt forward whose code fails as it runs (as inductor's run-time assert on a
+    cuDNN attention output did) after writing the cache: the prompt runs eagerly from an emptied
+    cache, with the eager logits and cache, and the reason is kept for the model."""
+    from transformers import StaticCache
+
+    from hf_zero3.decode import static_loop as gd
+    from hf_zero3.testing import models
+
+    model = models.plain_model(models.tiny_llama_config()).eval()
+    ids = torch.tensor([[0, 0, 5, 6, 7], [3, 4, 5, 6, 8]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])  # left-padded, two lengths
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    ref_cache = StaticCache(config=model.config, max_cache_len=16)
+    with torch.no_grad():
+        ref, how = gd._prefill(model, ids, mask, positions, ref_cache, compile=False)
+    assert how == "eager"
+
+    def fails_as_it_runs(model, **kwargs):
+        model(**kwargs)  # every layer written, as a compiled forward failing at its end would have
+        raise TypeError("expected Tensor() for op: torch.ops.aten._scaled_dot_product_cudnn_attention.default")
+
+    monkeypatch.setitem(gd._ONCE, gd._prompt_logits, fails_as_it_runs)
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    with torch.no_grad():
+        logits, how = gd._prefill(model, ids, mask, positions, cache)
+    assert how == "eager" and "failed as it ran (TypeError" in gd._PREFILL_FAILED[model]
+    torch.testing.assert_close(logits, ref)
+    for layer, expected in zip(cache.layers, ref_cache.layers):
+        assert int(layer.cumulative_length) == int(expected.cumulative_length) == ids.shape[1]
+        torch.testing.assert_close(layer.keys, expected.keys)
+        torch.testing.assert_close(layer.values, expected.values)
+    later = StaticCache(config=model.config, max_cache_len=16)
+    with torch.no_grad():  # the model's later calls go straight to the eager prompt forward
+        assert gd._prefill(model, ids, mask, positions, later)[1] == "eager"
