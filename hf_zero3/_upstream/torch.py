@@ -33,6 +33,23 @@ def inductor_dependent_launch_options() -> dict:
     return {"triton.enable_pdl": True} if hasattr(inductor_config.triton, "enable_pdl") else {}
 
 
+def inductor_options_without_alignment_asserts() -> dict:
+    """Inductor options that leave out its run-time alignment checks of fallback kernels' outputs
+    (``alignment_asserts``), for hf_zero3's own compiled functions.
+
+    Inductor checks every output of a fallback kernel it can prove aligned, including an output
+    the kernel leaves undefined: ``aten._scaled_dot_product_cudnn_attention`` without its
+    log-sum-exp (inference) returns ``None`` there, and the check raises ``TypeError: expected
+    Tensor()`` (pytorch/pytorch#196226, open). It shows in a prompt forward with a padding mask
+    (which selects cuDNN attention on Hopper) after DeepCompile's process-wide patches, not in the
+    same forward under plain ZeRO-3. The checks assert what the caching allocator guarantees;
+    without them the kernels are the same.
+    """
+    import torch._inductor.config as inductor_config
+
+    return {"alignment_asserts": False} if hasattr(inductor_config, "alignment_asserts") else {}
+
+
 # Triton's kernel cache and its autotuning cache key every kernel by the ptxas it compiles with.
 # Inductor points Triton at torch's bundled ptxas (``TRITON_PTXAS_PATH``, from
 # ``_set_triton_ptxas_path`` in ``torch/_inductor/runtime/compile_tasks.py``; torch 2.11's is CUDA

@@ -196,7 +196,9 @@ def _compiled_call(cls, dependent: bool = False):
     inductor's kernels are programmatic dependent launches (:func:`.features.dependent_launches`)."""
     fn = _COMPILED.get((cls, dependent))
     if fn is None:
-        options = torch_up.inductor_dependent_launch_options() if dependent else {}
+        options = torch_up.inductor_options_without_alignment_asserts()
+        if dependent:
+            options.update(torch_up.inductor_dependent_launch_options())
         compiled = torch.compile(cls.__call__, fullgraph=True, **({"options": options} if options else {}))
 
         def fn(model, **kwargs):
@@ -225,7 +227,8 @@ def _compiled_once(fn):
     (see the ablations in benchmarks/RESULTS.md)."""
     compiled = _ONCE.get(fn)
     if compiled is None:
-        compiled = _ONCE[fn] = torch.compile(fn, fullgraph=True)
+        options = torch_up.inductor_options_without_alignment_asserts()
+        compiled = _ONCE[fn] = torch.compile(fn, fullgraph=True, **({"options": options} if options else {}))
     return compiled
 
 

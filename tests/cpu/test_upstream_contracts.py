@@ -577,6 +577,41 @@ def test_inductor_dependent_launch_option_is_a_real_inductor_option():
         assert inductor_config.triton.enable_pdl is True
 
 
+def test_alignment_asserts_option_is_a_real_inductor_option_and_the_loop_compiles_with_it():
+    """hf_zero3's compiled functions turn off inductor's alignment asserts (pytorch/pytorch#196226:
+    an assert on cuDNN attention's undefined log-sum-exp fails the prompt forward): the option is
+    this torch's, on by default, and the prompt forward's and decode step's compiles pass it."""
+    import torch._inductor.config as inductor_config
+
+    from hf_zero3.decode import static_loop
+
+    options = torch_up.inductor_options_without_alignment_asserts()
+    assert options == {"alignment_asserts": False}
+    assert inductor_config.alignment_asserts is True  # torch's default: ours turns it off per compile
+    seen = []
+    real = torch.compile
+
+    def spy(fn, **kw):
+        seen.append(kw.get("options"))
+        return real(fn, **kw)
+
+    class Probe(torch.nn.Module):
+        pass
+
+    def probe(x):
+        return x + 1
+
+    try:
+        torch.compile = spy
+        static_loop._compiled_once(probe)
+        static_loop._compiled_call(Probe)
+    finally:
+        torch.compile = real
+        static_loop._ONCE.pop(probe, None)
+        static_loop._COMPILED.pop((Probe, False), None)
+    assert seen == [options, options], seen
+
+
 def test_triton_ptxas_is_pinned_as_inductor_chooses_it_and_a_set_one_is_kept(monkeypatch):
     """``pin_triton_ptxas`` calls the chooser Inductor runs before it compiles (torch's bundled
     ``_inductor/bin/ptxas`` where the wheel has one, else Triton's own), and keeps a path the user set."""
