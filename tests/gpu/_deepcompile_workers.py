@@ -168,33 +168,34 @@ def protected_eval(eval_first: bool = True, gather: str = "auto"):
     return out
 
 
-def trainer_deepcompile(tmpdir: str, with_zero3safe: bool, evaluate_first: bool = False):
-    """TrainingArguments(torch_compile=True, eval_steps=3) with DeepCompile ZeRO-3; with
-    ``evaluate_first`` the script takes a baseline ``evaluate()`` before ``train()`` and saves the
-    model after it (``save_model``)."""
+class _Rows(torch.utils.data.Dataset):
+    """``n`` random token rows of length SEQ (labels: the rows), fixed by ``seed``."""
+
+    def __init__(self, n, seed):
+        g = torch.Generator().manual_seed(seed)
+        self.rows = [torch.randint(3, 32000, (SEQ,), generator=g) for _ in range(n)]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def _dc_trainer(output_dir: str, **overrides):
+    """A Trainer with ``Zero3Safe()`` over the 4-layer Llama, DeepCompile ZeRO-3 (torch_compile=True),
+    the config's optimizer and ``"auto"`` sizes; ``overrides``: TrainingArguments fields."""
     import torch.distributed as dist
     from transformers import Trainer, TrainingArguments
 
-    import hf_zero3
     from hf_zero3 import Zero3Safe
-    from hf_zero3.testing import mark, models
-
-    class Rows(torch.utils.data.Dataset):
-        def __init__(self, n, seed):
-            g = torch.Generator().manual_seed(seed)
-            self.rows = [torch.randint(3, 32000, (SEQ,), generator=g) for _ in range(n)]
-
-        def __len__(self):
-            return len(self.rows)
-
-        def __getitem__(self, i):
-            return {"input_ids": self.rows[i], "labels": self.rows[i]}
+    from hf_zero3.testing import models
 
     ds = dc_config(dist.get_world_size())
     ds.update(train_micro_batch_size_per_gpu="auto", train_batch_size="auto", gradient_accumulation_steps="auto")
     ds["optimizer"]["params"]["lr"] = "auto"
-    args = TrainingArguments(
-        output_dir=tmpdir,
+    fields = dict(
+        output_dir=output_dir,
         torch_compile=True,
         bf16=True,
         eval_strategy="steps",
@@ -208,11 +209,31 @@ def trainer_deepcompile(tmpdir: str, with_zero3safe: bool, evaluate_first: bool 
         logging_steps=1,
         disable_tqdm=True,
     )
+    fields.update(overrides)
     cls = models.model_class_for(llama_cfg())
     torch.manual_seed(0)
     model = cls._from_config(llama_cfg(), dtype=torch.bfloat16)
-    cbs = [Zero3Safe()] if with_zero3safe else []
-    trainer = Trainer(model=model, args=args, train_dataset=Rows(32, 1), eval_dataset=Rows(6, 2), callbacks=cbs)
+    return Trainer(
+        model=model,
+        args=TrainingArguments(**fields),
+        train_dataset=_Rows(32, 1),
+        eval_dataset=_Rows(6, 2),
+        callbacks=[Zero3Safe()],
+    )
+
+
+def _losses(trainer) -> list[float]:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def trainer_deepcompile(tmpdir: str, evaluate_first: bool = False):
+    """TrainingArguments(torch_compile=True, eval_steps=3) with DeepCompile ZeRO-3 and Zero3Safe;
+    with ``evaluate_first`` the script takes a baseline ``evaluate()`` before ``train()`` and saves
+    the model after it (``save_model``)."""
+    import hf_zero3
+    from hf_zero3.testing import mark
+
+    trainer = _dc_trainer(tmpdir)
     out = {}
     if evaluate_first:
         mark("trainer.evaluate before train")
@@ -220,9 +241,8 @@ def trainer_deepcompile(tmpdir: str, with_zero3safe: bool, evaluate_first: bool 
     mark("trainer.train with eval every 3 steps")
     trainer.train()
     evals = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     planner = hf_zero3.runtime_of(trainer.model_wrapped).memory_plan
-    out.update(evals=evals, losses=losses, plan=planner.summary() if planner else None)
+    out.update(evals=evals, losses=_losses(trainer), plan=planner.summary() if planner else None)
     engine = trainer.model_wrapped
     out["optimizer_from_config"] = getattr(engine, "client_optimizer", "missing") is None
     if evaluate_first:
@@ -231,4 +251,81 @@ def trainer_deepcompile(tmpdir: str, with_zero3safe: bool, evaluate_first: bool 
         import os
 
         out["saved"] = sorted(os.listdir(f"{tmpdir}/saved"))
+    return out
+
+
+def trainer_deepcompile_resume(tmpdir: str):
+    """Under DeepCompile ZeRO-3 with Zero3Safe: 4 steps saving every 2 (then ``train()`` again on
+    the same Trainer), and a new Trainer resumed from the step-2 checkpoint, evaluated after."""
+    import os
+
+    from hf_zero3.testing import mark
+
+    args = dict(max_steps=4, save_strategy="steps", save_steps=2, eval_strategy="no")
+    mark("uninterrupted: 4 steps, checkpoints at 2 and 4")
+    first = _dc_trainer(f"{tmpdir}/run", **args)
+    first.train()
+    out = {"uninterrupted": _losses(first), "checkpoints": sorted(os.listdir(f"{tmpdir}/run"))}
+    mark("train() again on the same Trainer")
+    first.args.max_steps = 6  # six steps on the trained model, from a fresh engine
+    first.args.output_dir = f"{tmpdir}/again"  # its checkpoints apart: the resume reads the first run's
+    first.train()
+    out["again"] = [h["loss"] for h in first.state.log_history if "loss" in h]
+    out["again_optimizer_from_config"] = getattr(first.model_wrapped, "client_optimizer", "missing") is None
+    del first
+    torch.cuda.empty_cache()
+    mark("resumed from checkpoint-2")
+    resumed = _dc_trainer(f"{tmpdir}/resumed", **args)
+    resumed.train(resume_from_checkpoint=f"{tmpdir}/run/checkpoint-2")
+    # the log history restored from checkpoint-2 holds steps 1-2; the resumed run logs steps 3-4
+    out["resumed"] = [h["loss"] for h in resumed.state.log_history if "loss" in h and h["step"] > 2]
+    out["resumed_step"] = resumed.state.global_step
+    mark("evaluate after resuming")
+    out["eval_after_resume"] = resumed.evaluate()["eval_loss"]
+    return out
+
+
+def padded_prompts_decode():
+    """A DeepCompile engine trained 2 steps, then 64 left-padded prompts of lengths 104-111 through
+    the static loop (compiled prompt forward, then the eager one), then 2 more training steps."""
+    import torch.distributed as dist
+
+    import hf_zero3
+    from hf_zero3.options import DecodeOptions
+    from hf_zero3.testing import mark
+
+    engine = build()
+    train_steps(engine, 2)
+    engine.eval()
+    rows, g = 64, torch.Generator().manual_seed(dist.get_rank())
+    lens = [104 + (i * 5) % 8 for i in range(rows)]
+    width = max(lens)
+    ids = torch.zeros(rows, width, dtype=torch.long)
+    mask = torch.zeros(rows, width, dtype=torch.long)
+    for i, n in enumerate(lens):
+        ids[i, width - n :] = torch.randint(3, 32000, (n,), generator=g)
+        mask[i, width - n :] = 1
+    kw = dict(
+        input_ids=ids.to(engine.device),
+        attention_mask=mask.to(engine.device),
+        gather="all",
+        decode="compiled",
+        do_sample=False,
+        max_new_tokens=16,
+        pad_token_id=0,
+        eos_token_id=2,
+    )
+    out = {"rows": rows}
+    mark("static loop over padded prompts, compiled prompt forward")
+    with torch.no_grad():
+        seq = hf_zero3.lockstep_generate(engine, **kw)
+        st = hf_zero3.runtime_of(engine.module).last_generate
+        out.update(loop=st.loop, decode=st.decode, prefill=st.prefill, prefill_reason=st.prefill_reason)
+        mark("static loop over padded prompts, eager prompt forward")
+        eager = hf_zero3.lockstep_generate(engine, decode_options=DecodeOptions(compile_prefill=False), **kw)
+        out["eager_prefill"] = hf_zero3.runtime_of(engine.module).last_generate.prefill
+    out["first_token_agree"] = int((seq[:, width] == eager[:, width]).sum())
+    out["sdpa"] = engine.module.config._attn_implementation == "sdpa"
+    mark("training after the padded decode")
+    out["losses_after"], _ = train_steps(engine, 2, start=2)
     return out

@@ -58,7 +58,7 @@ def test_no_recompilation_storm_and_step_time_kept(protected):
 def test_trainer_eval_under_deepcompile(tmp_path):
     from _deepcompile_workers import trainer_deepcompile
 
-    res = _run(trainer_deepcompile, str(tmp_path), True, timeout=480)
+    res = _run(trainer_deepcompile, str(tmp_path), timeout=480)
     for r in res:
         # eval at steps 3 and 6 and after the last step (7): three evaluations, all finite
         assert len(r["evals"]) == 3 and all(math.isfinite(x) for x in r["evals"])
@@ -72,7 +72,7 @@ def test_trainer_evaluates_before_training_under_deepcompile(tmp_path):
     ZeRO-3 with Zero3Safe, then training with the config's optimizer, evaluations, save_model."""
     from _deepcompile_workers import trainer_deepcompile
 
-    res = _run(trainer_deepcompile, str(tmp_path), True, True, timeout=480)
+    res = _run(trainer_deepcompile, str(tmp_path), True, timeout=480)
     for r in res:
         # the baseline (train() starts a new log history), then eval at steps 3, 6 and 7
         assert math.isfinite(r["baseline"]) and len(r["evals"]) == 3 and all(math.isfinite(x) for x in r["evals"])
@@ -82,3 +82,38 @@ def test_trainer_evaluates_before_training_under_deepcompile(tmp_path):
         # config and DeepSpeed's sharded checkpoint (zero_to_fp32.py recovers the weights)
         saved = r["saved"]
         assert "config.json" in saved and any(f.startswith("global_step") for f in saved), saved
+
+
+def test_trainer_trains_again_and_resumes_under_deepcompile(tmp_path):
+    """train() twice on one Trainer, and resume_from_checkpoint, under DeepCompile ZeRO-3 with
+    Zero3Safe: checkpoints are written, a resumed run repeats the uninterrupted run's later losses
+    and evaluates after resuming."""
+    from _deepcompile_workers import trainer_deepcompile_resume
+
+    for r in _run(trainer_deepcompile_resume, str(tmp_path), timeout=540):
+        assert {"checkpoint-2", "checkpoint-4"} <= set(r["checkpoints"]), r["checkpoints"]
+        full, resumed = r["uninterrupted"], r["resumed"]
+        assert len(full) == 4 and all(math.isfinite(x) for x in full), r
+        # a second train() builds a new engine from the config's optimizer and trains its 6 steps
+        assert len(r["again"]) == 6 and all(math.isfinite(x) for x in r["again"]), r
+        assert r["again_optimizer_from_config"], r
+        # steps 3-4 from checkpoint-2: the uninterrupted run's (bf16 under DeepCompile: 2 %)
+        assert r["resumed_step"] == 4 and len(resumed) == 2, r
+        assert resumed == pytest.approx(full[2:], rel=2e-2), (resumed, full)
+        assert math.isfinite(r["eval_after_resume"]), r
+
+
+def test_padded_prompts_prefill_compiled_under_deepcompile():
+    """Left-padded prompts of mixed lengths (chat-template-shaped) decoded by the static loop on a
+    DeepCompile engine: the prompt forward runs compiled (cuDNN attention with a padding mask;
+    pytorch/pytorch#196226 made it fail as it ran), agrees with the eager prompt forward, and
+    training goes on after it."""
+    from _deepcompile_workers import padded_prompts_decode
+
+    for r in _run(padded_prompts_decode, timeout=420):
+        assert r["loop"] == "hf_zero3" and r["decode"] == "compiled", r
+        assert r["prefill"] == "compiled" and r["prefill_reason"] is None, r
+        assert r["eager_prefill"] == "eager", r
+        # the first token of each row from the compiled and the eager prompt forward (bf16)
+        assert r["first_token_agree"] >= 0.9 * r["rows"], r
+        assert r["sdpa"] and all(math.isfinite(x) for x in r["losses_after"]), r
