@@ -4,7 +4,10 @@ DeepSpeed's OPSD rollout (``HybridEngineRollout``) with fixed steps vs hf_zero3'
 GRPO (every GPU up to 2, NCCL; CPU/gloo with a tiny model if none): Qwen2-0.5B shape built in code
 (random weights, bf16), TRL's default GRPOConfig apart from sizes: ``BENCH_COMPLETIONS`` (default
 64 on CUDA, 8 on CPU) completions of <= 128 tokens per rank and per step, 8 per prompt, 3 steps
-(the first warms up and compiles). Settings (``BENCH_TRL_SETTINGS``, comma-separated; default all):
+(the first warms up and compiles). The prompts are conversations TRL formats with the Qwen2.5 chat
+template, left-padded to mixed lengths (``prompt_lengths``: the first rollout's shortest and
+longest without padding); ``prefill``: whether the last rollout's prompt forward ran compiled.
+Settings (``BENCH_TRL_SETTINGS``, comma-separated; default all):
 ``trl_default`` (``ds3_gather_for_generation=True``, TRL's eager rollout: the baseline),
 ``trl_gather_off``, ``zero3safe`` and ``zero3safe_gather_off`` (``callbacks=[Zero3Safe()]``; its
 default ``decode="auto"`` takes hf_zero3's static loop in the gathered rollouts on CUDA), and
@@ -123,6 +126,7 @@ class _Timer:
         self.sync, self.gen_s, self.tokens, self.steps, self._t = sync, 0.0, 0, [], None
         self.step_gen, self.gen_steps = 0.0, []  # generate() seconds in the current step, per step
         self.step_compiles, self.compiles = 0, []  # Dynamo graphs the step's generate() calls compiled
+        self.prompt_lengths = None  # the first rollout's prompt lengths without padding: [shortest, longest]
 
     def wrap(self, model):
         original = model.generate
@@ -138,6 +142,10 @@ class _Timer:
             last = getattr(model, "hf_zero3_last_generate", None)
             self.step_compiles += getattr(last, "compiles", 0) or 0
             prompt = kwargs["input_ids"].shape[1] if "input_ids" in kwargs else args[0].shape[1]
+            mask = kwargs.get("attention_mask")
+            if self.prompt_lengths is None and mask is not None:
+                real = mask.sum(-1)
+                self.prompt_lengths = [int(real.min()), int(real.max())]
             self.tokens += out.shape[0] * (out.shape[1] - prompt)
             return out
 
@@ -241,6 +249,8 @@ def grpo_rank(tmpdir: str):
                 rank=dist.get_rank(),
                 loop=last.loop if last is not None else "transformers",
                 decode=last.decode if last is not None else "eager",
+                prefill=last.prefill if last is not None else "eager",
+                prompt_lengths=timer.prompt_lengths,
                 rollout_tokens_per_s=timer.tokens / timer.gen_s if timer.gen_s else None,
                 rollout_s=min(timer.gen_steps[1:]),
                 first_rollout_s=timer.gen_steps[0],
@@ -379,6 +389,7 @@ def main():
                     "setting",
                     "rank",
                     "loop",
+                    "prefill",
                     "first_rollout_s",
                     "rollout_s",
                     "step_s",
