@@ -28,7 +28,7 @@ later in the call is shared at the next agreement (the next stop check or the ca
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -49,6 +49,8 @@ from .compiled_decode import DECODE_MODES
 
 __all__ = [
     "LockstepConfig",
+    "LOCKSTEP_FIELDS",
+    "lockstep_config",
     "LockstepStats",
     "Zero3GenerationMixin",
     "lockstep",
@@ -65,12 +67,13 @@ STOP_MODES = ("sync", "fixed")
 #: With compiled decoding and ``sync_every=None``: steps between two (late) stop checks, the
 #: spacing with the least modelled overhead at 64 ranks (benchmarks/agreements, docs/concepts/agreements.md).
 COMPILED_SYNC_EVERY = 2
-_LOCKSTEP_KWARGS = ("stop", "sync_every", "gather", "group", "decode", "bucket", "graph_steps", "decode_options")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LockstepConfig:
-    """How a lockstep model generates.
+    """How a lockstep model generates: the one options object of every lockstep entry point
+    (:func:`lockstep`, :func:`lockstep_generate`, ``generate()``, ``Zero3Safe``,
+    :func:`hf_zero3.trl.early_stop`), which take it as ``lockstep=`` or its fields as keywords.
 
     Attributes:
         stop: ``"sync"`` (stop together once every rank is done) or ``"fixed"`` (always
@@ -127,6 +130,27 @@ class LockstepConfig:
     def options(self) -> dict:
         """The settings every rank must share (they go into the call's agreement tag)."""
         return {"stop": self.stop, "sync_every": self.sync_every, "gather": self.gather}
+
+    def fields(self) -> dict:
+        """Every field by name (the objects themselves: a process group is not copied)."""
+        return {name: getattr(self, name) for name in LOCKSTEP_FIELDS}
+
+
+#: The names of :class:`LockstepConfig`'s fields: the keywords every lockstep entry point takes.
+LOCKSTEP_FIELDS = tuple(f.name for f in fields(LockstepConfig))
+
+
+def lockstep_config(lockstep: LockstepConfig | None = None, /, **options) -> LockstepConfig:
+    """``lockstep`` (default: ``LockstepConfig()``) with ``options`` (field names) replacing its
+    fields, unchecked; a name that is no field raises ``TypeError`` listing the fields."""
+    if lockstep is not None and not isinstance(lockstep, LockstepConfig):
+        raise TypeError(f"lockstep must be a hf_zero3.LockstepConfig or None, not {lockstep!r}")
+    unknown = sorted(set(options) - set(LOCKSTEP_FIELDS))
+    if unknown:
+        raise TypeError(
+            f"unknown lockstep option(s) {', '.join(unknown)}; LockstepConfig's fields are {', '.join(LOCKSTEP_FIELDS)}"
+        )
+    return replace(lockstep or LockstepConfig(), **options)
 
 
 def stop_schedule(sync_every: int | None, compiled: bool) -> tuple[int, bool]:
@@ -350,8 +374,9 @@ class Zero3GenerationMixin:
     """A ``GenerationMixin`` refinement that generates in lockstep under ZeRO-3.
 
     Put it first in a model's bases (``class M(Zero3GenerationMixin, LlamaForCausalLM)``), or apply
-    it to an existing instance with :func:`lockstep`. ``generate()`` takes the extra keyword
-    arguments ``stop``, ``sync_every``, ``gather`` and ``group`` (see :class:`LockstepConfig`).
+    it to an existing instance with :func:`lockstep`. ``generate()`` also takes ``lockstep=`` (a
+    :class:`LockstepConfig` for this call) and :class:`LockstepConfig`'s fields as keywords, over
+    the stored settings.
     Without ZeRO-3 it is plain ``generate()``; with one rank nothing is exchanged, but the model is
     still gathered once per call (and DeepCompile's graph bypassed) instead of layer by layer.
     """
@@ -363,14 +388,15 @@ class Zero3GenerationMixin:
         return rt.last_generate if rt is not None else None
 
     def generate(self, *args, **kwargs):
-        overrides = {k: kwargs.pop(k) for k in _LOCKSTEP_KWARGS if k in kwargs}
+        overrides = {k: kwargs.pop(k) for k in LOCKSTEP_FIELDS if k in kwargs}
+        given = kwargs.pop("lockstep", None)
         if not zero3.is_zero3_model(self):
             return super().generate(*args, **kwargs)
         rt = runtime_of(self)
         error = None
         try:
             require("core")
-            cfg = replace(rt.lockstep or LockstepConfig(), **overrides).validate()
+            cfg = lockstep_config(given or rt.lockstep, **overrides).validate()
             group = cfg.group if cfg.group is not None else rt.group
             _check_group_matches(self, group)
             hf_up.generation_hooks_present()
@@ -611,66 +637,37 @@ def _generating_model(obj) -> nn.Module:
     return module
 
 
-def lockstep(
-    model,
-    *,
-    stop: str = "sync",
-    sync_every: int | None = None,
-    gather: str = "auto",
-    group=None,
-    decode: str = "auto",
-    bucket: int = 64,
-    graph_steps: int = 8,
-    decode_options: DecodeOptions | None = None,
-):
+def lockstep(model, lockstep: LockstepConfig | None = None, **options):
     """Make ``model.generate()`` run in lockstep under ZeRO-3, in place (no weights reloaded).
 
     ``model`` may be a transformers model, a PEFT-wrapped one, or a DeepSpeed engine (its
-    ``.module`` is changed). Returns ``model`` for chaining. Local: nothing is exchanged until the
-    next ``generate()``, whose first agreement checks every rank applied the same settings.
+    ``.module`` is changed). ``lockstep``: a :class:`LockstepConfig`; ``options``: its fields as
+    keywords, over it. Returns ``model`` for chaining. Local: nothing is exchanged until the next
+    ``generate()``, whose first agreement checks every rank applied the same settings.
     """
     require("core")
+    cfg = lockstep_config(lockstep, **options).validate()
     target = _generating_model(model)
     rt = runtime_of(model)
     target.__class__ = lockstep_class(type(target))
-    rt.lockstep = LockstepConfig(
-        stop, sync_every, gather, group, decode, bucket, graph_steps, decode_options
-    ).validate()
+    rt.lockstep = cfg
     return model
 
 
-def lockstep_generate(
-    model,
-    *,
-    stop: str = "sync",
-    sync_every: int | None = None,
-    gather: str = "auto",
-    group=None,
-    decode: str = "auto",
-    bucket: int = 64,
-    graph_steps: int = 8,
-    decode_options: DecodeOptions | None = None,
-    **generate_kwargs,
-):
-    """``model.generate(**generate_kwargs)`` in lockstep, leaving ``model``'s class as it was.
+def lockstep_generate(model, lockstep: LockstepConfig | None = None, **kwargs):
+    """``model.generate(**kwargs)`` in lockstep, leaving ``model``'s class as it was.
 
-    ``model`` may be a transformers model, a PEFT model or a DeepSpeed engine. The settings are
-    checked inside the call, so a bad one on any rank makes every rank raise.
+    ``model`` may be a transformers model, a PEFT model or a DeepSpeed engine. ``lockstep``: a
+    :class:`LockstepConfig`; keywords that name its fields go over it, the others to
+    ``generate()``. The settings are checked inside the call, so a bad one on any rank makes every
+    rank raise.
     """
+    options = {k: kwargs.pop(k) for k in LOCKSTEP_FIELDS if k in kwargs}
+    cfg = lockstep_config(lockstep, **options)
     target = _generating_model(model)
     saved = target.__class__
     target.__class__ = lockstep_class(saved)
     try:
-        return runtime.unwrap(model).generate(
-            stop=stop,
-            sync_every=sync_every,
-            gather=gather,
-            group=group,
-            decode=decode,
-            bucket=bucket,
-            graph_steps=graph_steps,
-            decode_options=decode_options,
-            **generate_kwargs,
-        )
+        return runtime.unwrap(model).generate(**cfg.fields(), **kwargs)
     finally:
         target.__class__ = saved

@@ -32,9 +32,8 @@ from .._upstream import transformers as hf_up
 from .._upstream import trl as trl_up
 from .._upstream.versions import check_versions
 from ..errors import Zero3Error
-from ..gathering import GATHER_MODES, close_eval_region
-from ..generation.lockstep import LockstepConfig, base_module, is_generation_model, lockstep_class
-from ..options import DecodeOptions
+from ..gathering import close_eval_region
+from ..generation.lockstep import LockstepConfig, base_module, is_generation_model, lockstep_class, lockstep_config
 from ..runtime import runtime_of
 
 __all__ = ["Zero3Safe"]
@@ -46,42 +45,26 @@ class Zero3Safe(TrainerCallback):
     """Trainer callback for ZeRO-3 / DeepCompile safety.
 
     Args:
-        gather: eval and generation gathering: ``"auto"`` (whole model when every rank has the
-            memory, else layer by layer), ``"all"`` or ``"layerwise"``.
-        stop: lockstep generation stop mode, ``"sync"`` or ``"fixed"``.
-        sync_every: steps between stop agreements in ``"sync"`` mode (None: every step, every 2 with
-            compiled decoding; see :func:`hf_zero3.generation.lockstep.stop_schedule`).
+        lockstep: how generation runs in lockstep and how eval gathers (a
+            :class:`~hf_zero3.LockstepConfig`; its ``gather`` is also the eval regions'). Its
+            fields may be given as keywords instead (``Zero3Safe(sync_every=4)``), over it.
         strict_versions: raise (instead of warn) when an installed library is older than supported.
         memory_plan: under DeepCompile ZeRO-3, use hf_zero3's memory plan (see :mod:`hf_zero3.compile`).
         trl: on a TRL trainer, apply :func:`hf_zero3.trl.apply` (reuse TRL's gathered model, align
             generation calls across ranks).
-        decode: lockstep generation's decoding: ``"auto"`` (default: a static KV cache and a
-            compiled decode step in whole-model regions on CUDA, DeepCompile engines and TRL's
-            rollouts included; not where a generation config of the user sets
-            ``disable_compile``), ``"compiled"`` (on any device) or ``"eager"``; see
-            :mod:`hf_zero3.generation.compiled_decode`.
-        decode_options: which parts of the compiled decode path to use
-            (:class:`~hf_zero3.DecodeOptions`; None: from the ``HF_ZERO3_*`` variables, else the
-            measured best).
     """
 
     def __init__(
         self,
-        gather: str = "auto",
-        stop: str = "sync",
-        sync_every: int | None = None,
+        lockstep: LockstepConfig | None = None,
+        *,
         strict_versions: bool = False,
         memory_plan: bool = True,
         trl: bool = True,
-        decode: str = "auto",
-        decode_options: DecodeOptions | None = None,
+        **lockstep_options,
     ):
-        if gather not in GATHER_MODES:
-            raise ValueError(f"gather must be one of {GATHER_MODES}, not {gather!r}")
-        self.lockstep = LockstepConfig(
-            stop, sync_every, gather, decode=decode, decode_options=decode_options
-        ).validate()
-        self.gather = gather
+        self.lockstep = lockstep_config(lockstep, **lockstep_options).validate()
+        self.gather = self.lockstep.gather
         self.memory_plan, self.trl = memory_plan, trl
         problems = check_versions("core")
         if problems:

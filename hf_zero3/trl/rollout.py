@@ -19,20 +19,13 @@ import functools
 import torch
 
 from .._upstream import deepspeed as ds_up
-from ..generation.lockstep import lockstep
-from ..options import DecodeOptions
+from ..generation.lockstep import LockstepConfig, lockstep_config
+from ..generation.lockstep import lockstep as apply_lockstep
 
 __all__ = ["early_stop"]
 
 
-def early_stop(
-    rollout,
-    *,
-    sync_every: int | None = None,
-    gather: str = "auto",
-    decode: str = "auto",
-    decode_options: DecodeOptions | None = None,
-):
+def early_stop(rollout, lockstep: LockstepConfig | None = None, **options):
     """Give ``rollout`` (a ``deepspeed.runtime.rollout.HybridEngineRollout``) an early stop; returns it.
 
     Covers the default ``model.generate()`` path (greedy and sampling). DeepSpeed's own CUDA-graph
@@ -40,13 +33,17 @@ def early_stop(
     engine's model is left in lockstep (:func:`hf_zero3.lockstep`): its other ``generate()`` calls
     agree their stop too, as every ZeRO-3 generation must.
     ``model.hf_zero3_last_generate.forwards`` tells how many decode forwards the last call ran.
-    ``gather``, ``decode`` and ``decode_options`` are :func:`hf_zero3.lockstep`'s (``gather="all"``
-    with ``decode="compiled"``: the static decode loop; ``loop`` in the report says which ran).
+    ``lockstep`` and ``options`` are :func:`hf_zero3.lockstep`'s, with ``stop="sync"`` (the early
+    stop itself): ``gather="all"`` with ``decode="compiled"`` takes the static decode loop
+    (``loop`` in the report says which ran).
     """
+    cfg = lockstep_config(lockstep, **options)
+    if cfg.stop != "sync":
+        raise ValueError(f"early_stop stops when the group's rows end: stop must be 'sync', not {cfg.stop!r}")
     if getattr(rollout.generate, "_hf_zero3", False):
         return rollout
     engine = rollout.engine
-    lockstep(engine, stop="sync", sync_every=sync_every, gather=gather, decode=decode, decode_options=decode_options)
+    apply_lockstep(engine, cfg)
     module = ds_up.hybrid_rollout_module(rollout)
     tokenizer = ds_up.hybrid_rollout_tokenizer(rollout)
     original = rollout.generate
