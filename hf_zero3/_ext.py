@@ -4,7 +4,7 @@ Two ways in: a prebuilt module (``HF_ZERO3_BUILD_EXT=1 pip install --no-build-is
 builds ``hf_zero3._gate``), else a JIT build of ``csrc/`` with ninja through
 ``torch.utils.cpp_extension`` (cached under ``TORCH_EXTENSIONS_DIR``). Without CUDA, or when the
 build fails, :func:`is_available` is False and :mod:`hf_zero3.compile.gate` runs its pure-PyTorch
-fallback, which takes the same decisions. ``HF_ZERO3_NATIVE=0`` turns the native path off;
+fallback, which takes the same decisions. ``HF_ZERO3_NATIVE=0`` (any switch's off) turns the native path off;
 ``HF_ZERO3_NATIVE=cpu`` builds the C++ part without CUDA (tests use it to compare decisions).
 """
 
@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from .options import parse_choice
+
 __all__ = ["load", "is_available", "unavailable_reason", "CSRC"]
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
@@ -23,7 +25,9 @@ _state: dict = {}
 
 
 def _want() -> str:
-    return os.environ.get("HF_ZERO3_NATIVE", "auto").lower()
+    """``HF_ZERO3_NATIVE``: ``auto`` (unset), ``cpu``, or a switch (off: ``"off"``)."""
+    raw = os.environ.get("HF_ZERO3_NATIVE", "")
+    return parse_choice("HF_ZERO3_NATIVE", raw, ("auto", "cpu")) if raw.strip() else "auto"
 
 
 def load(verbose: bool = False):
@@ -32,8 +36,8 @@ def load(verbose: bool = False):
         return _state["module"]
     mode = _want()
     module, reason = None, None
-    if mode in ("0", "off", "false"):
-        reason = "disabled by HF_ZERO3_NATIVE=0"
+    if mode == "off":
+        reason = "disabled by HF_ZERO3_NATIVE (off)"
     elif mode != "cpu" and not torch.cuda.is_available():
         reason = "no CUDA device: the gate reads the CUDA caching allocator"
     else:

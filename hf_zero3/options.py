@@ -9,8 +9,9 @@ names the code reads and the documentation's table to the same list.
 
 :class:`DecodeOptions` says which parts of the fast decode path a lockstep call uses. Each field
 left ``None`` comes from its environment variable, else from its default (the measured best), the
-way accelerate's plugin dataclasses read ``ACCELERATE_*``. Every switch takes one grammar
-(:func:`parse_switch`); a value outside it raises instead of being read as on or off.
+way accelerate's plugin dataclasses read ``ACCELERATE_*``. Every variable takes one grammar: a
+switch (:func:`parse_switch`), or for a setting of several values one of them or a switch, on
+meaning ``auto`` (:func:`parse_choice`); a value outside it raises instead of being guessed.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Mapping
 
-__all__ = ["DecodeOptions", "DECODE_SWITCHES", "ENVIRONMENT", "parse_switch"]
+__all__ = ["DecodeOptions", "DECODE_SWITCHES", "ENVIRONMENT", "parse_switch", "parse_choice"]
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -36,8 +37,9 @@ def parse_switch(name: str, raw: str) -> bool:
     raise ValueError(f"{name}={raw!r} is not a switch: set it to 1/true/yes/on or 0/false/no/off, or unset it")
 
 
-def _parse_choice(name: str, raw: str, choices: tuple[str, ...]) -> str:
-    """A three-way setting: one of ``choices``, or a switch (on: ``"auto"``, off: ``"off"``)."""
+def parse_choice(name: str, raw: str, choices: tuple[str, ...]) -> str:
+    """A setting of several values (variable ``name``): one of ``choices``, or a switch (on:
+    ``"auto"``, off: ``"off"``); anything else raises ``ValueError`` naming the variable."""
     value = raw.strip().lower()
     if value in choices:
         return value
@@ -77,8 +79,8 @@ class DecodeOptions:
             default on).
         dependent_launches: decode-step kernels as programmatic dependent launches: ``"auto"``
             where the GPU and Triton can (compute capability 9.0+), ``"on"`` the same with a
-            warning where they cannot, ``"off"`` never (``HF_ZERO3_PDL``: a switch, on meaning
-            ``"on"``; default ``"auto"``).
+            warning where they cannot, ``"off"`` never (``HF_ZERO3_PDL``: one of them or a switch,
+            on meaning ``"auto"``; default ``"auto"``).
         compile_prefill: compile the prompt's forward too (``HF_ZERO3_COMPILE_PREFILL``; default
             on; off: eager, without DeepSpeed's per-linear autograd Function).
     """
@@ -124,10 +126,8 @@ class DecodeOptions:
                 raw = env.get(f.metadata["env"], "")
                 if not raw.strip():
                     value = f.metadata["default"]
-                elif f.name == "dependent_launches" and raw.strip().lower() != "auto":
-                    value = "on" if parse_switch(f.metadata["env"], raw) else "off"
                 elif f.metadata["choices"]:
-                    value = _parse_choice(f.metadata["env"], raw, f.metadata["choices"])
+                    value = parse_choice(f.metadata["env"], raw, f.metadata["choices"])
                 else:
                     value = parse_switch(f.metadata["env"], raw)
             values[f.name] = value
@@ -143,8 +143,7 @@ DECODE_SWITCHES: dict[str, str] = {
 ENVIRONMENT: dict[str, str] = {
     "HF_ZERO3_AGREE_TIMEOUT": "seconds an agreement waits for a rank that never arrives",
     "HF_ZERO3_PLAN_DUMP": "a directory where rank 0 writes the memory plan's profiles and plans",
-    "HF_ZERO3_NATIVE": "the native prefetch gate: auto, 0 (PyTorch fallback) or cpu",
+    "HF_ZERO3_NATIVE": "the native prefetch gate: auto, cpu, or a switch (off: the PyTorch fallback)",
     "HF_ZERO3_BUILD_EXT": "setup.py: 1 compiles the native gate at install time",
-    "HF_ZERO3_PG_TIMEOUT": "set by hf_zero3.testing.run_ranks in each rank (its process-group timeout)",
     **DECODE_SWITCHES,
 }

@@ -254,7 +254,6 @@ def _rank_main(fn, rank, world_size, port, workdir, args, kwargs, pg_timeout, ba
             "LOCAL_WORLD_SIZE": str(world_size),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
-            "HF_ZERO3_PG_TIMEOUT": str(pg_timeout),
         }
     )
     if backend == "gloo":

@@ -48,9 +48,23 @@ def test_the_three_way_settings():
         assert DecodeOptions().resolved({"HF_ZERO3_TRITON_ATTENTION": raw}).triton_attention == expected, raw
     with pytest.raises(ValueError, match="HF_ZERO3_TRITON_ATTENTION='sometimes'"):
         DecodeOptions().resolved({"HF_ZERO3_TRITON_ATTENTION": "sometimes"})
-    # dependent launches: unset or auto is "auto"; set to on, "on" (a warning where the GPU cannot)
-    for raw, expected in (("", "auto"), ("auto", "auto"), ("1", "on"), ("off", "off")):
+    # dependent launches, by the same grammar: a switch's on is "auto"; "on" (a warning where the
+    # GPU cannot) is named
+    for raw, expected in (("", "auto"), ("auto", "auto"), ("1", "auto"), ("on", "on"), ("off", "off"), ("0", "off")):
         assert DecodeOptions().resolved({"HF_ZERO3_PDL": raw}).dependent_launches == expected, raw
+    with pytest.raises(ValueError, match="HF_ZERO3_PDL='sometimes'"):
+        DecodeOptions().resolved({"HF_ZERO3_PDL": "sometimes"})
+
+
+def test_the_native_gate_variable_takes_the_same_grammar(monkeypatch):
+    from hf_zero3 import _ext
+
+    for raw, expected in (("", "auto"), ("auto", "auto"), ("cpu", "cpu"), ("0", "off"), ("no", "off"), ("on", "auto")):
+        monkeypatch.setenv("HF_ZERO3_NATIVE", raw)
+        assert _ext._want() == expected, raw
+    monkeypatch.setenv("HF_ZERO3_NATIVE", "gpu")
+    with pytest.raises(ValueError, match="HF_ZERO3_NATIVE='gpu'"):
+        _ext._want()
 
 
 def test_bad_explicit_values_raise_at_construction():

@@ -289,7 +289,6 @@ _SAMPLE_VALUES = {
     "HF_ZERO3_PLAN_DUMP": "plan_dump",
     "HF_ZERO3_NATIVE": "0",
     "HF_ZERO3_BUILD_EXT": "1",
-    "HF_ZERO3_PG_TIMEOUT": "20",
     "HF_ZERO3_TRITON_ATTENTION": "always",
 }
 

@@ -566,7 +566,7 @@ def test_trl_fused_lm_head_settings_are_read_from_its_closure():
 
 
 def test_inductor_dependent_launch_option_is_a_real_inductor_option():
-    """The option the decode step compiles with under ``HF_ZERO3_PDL=1`` exists in this torch's
+    """The option the decode step compiles with under ``HF_ZERO3_PDL=on`` exists in this torch's
     inductor config (torch >= 2.9) and is accepted by ``torch.compile``'s options."""
     import torch._inductor.config as inductor_config
 
