@@ -5,11 +5,22 @@ Public API (imported lazily, so ``import hf_zero3`` stays cheap):
 * :class:`Zero3Safe` - the ``transformers.Trainer`` callback: eval, predict and generate work
   under DeepCompile ZeRO-3 and generation runs in lockstep.
 * :func:`eval_forward` - the same protection for forwards outside the Trainer.
-* :func:`lockstep`, :func:`lockstep_generate`, :class:`Zero3GenerationMixin` - lockstep generation;
-  :func:`release_decode_graphs` frees what its compiled decoding keeps between calls.
+* :func:`lockstep`, :func:`lockstep_generate`, :class:`Zero3GenerationMixin` - lockstep generation,
+  configured by one :class:`LockstepConfig`; :class:`DecodeOptions` picks the parts of its fast
+  decode path; :func:`release_decode_graphs` frees what compiled decoding keeps between calls.
 * :func:`gathered_forwards` - the gather-all / layer-wise region both build on.
 * :class:`Zero3DeepSpeedPlugin`, :func:`enable_memory_plan` - DeepCompile's memory-budgeted
-  prefetch plan through accelerate; :func:`compile_with_memory_plan` for a bare engine;
+  prefetch plan through accelerate, set by :class:`MemoryPlanConfig`;
+  :func:`compile_with_memory_plan` for a bare engine.
+* :func:`runtime_of` - the per-model state: the last generation's report, the memory plan.
+* :class:`Zero3Error` and its kinds :class:`RankFailure`, :class:`RankDivergenceError` - the
+  errors every rank of a group raises together.
+* :func:`unpatch`, :func:`patching` - undo the patches hf_zero3 installed.
+
+Subpackages with their own public API: :mod:`hf_zero3.trl`, :mod:`hf_zero3.accelerate`,
+:mod:`hf_zero3.compile`, :mod:`hf_zero3.generation`, :mod:`hf_zero3.decode`, :mod:`hf_zero3.errors` and
+:mod:`hf_zero3.testing` (a multi-process launcher, strict ZeRO-3 configs, tiny models, for a
+user's own tests). What each exports is its ``__all__``; ``docs/reference/api.md`` documents it.
 """
 
 __version__ = "0.2.0"
@@ -31,6 +42,7 @@ _LAZY = {
     "runtime_of": "hf_zero3.runtime",
     "RankDivergenceError": "hf_zero3.errors",
     "RankFailure": "hf_zero3.errors",
+    "Zero3Error": "hf_zero3.errors",
 }
 
 __all__ = sorted(_LAZY) + ["__version__", "unpatch", "patching"]

@@ -50,6 +50,32 @@ def inductor_options_without_alignment_asserts() -> dict:
     return {"alignment_asserts": False} if hasattr(inductor_config, "alignment_asserts") else {}
 
 
+def add_one_to_each(tensors: list) -> None:
+    """``t += 1`` for every tensor of ``tensors`` in one launch (``torch._foreach_add_``: one
+    kernel for the decode step's per-layer cache fill counts instead of one per layer)."""
+    torch._foreach_add_(tensors, 1)
+
+
+def mark_dynamic_if_possible(t: torch.Tensor, dim: int) -> None:
+    """Dynamo compiles ``t``'s dimension ``dim`` as dynamic from its first graph, where it can
+    (``torch._dynamo.maybe_mark_dynamic``)."""
+    torch._dynamo.maybe_mark_dynamic(t, dim)
+
+
+def forward_hook_counts(module: torch.nn.Module) -> tuple[int, int]:
+    """How many forward and forward-pre hooks ``module`` itself has (``_forward_hooks``,
+    ``_forward_pre_hooks``: ``nn.Module`` keeps them there and has no public getter)."""
+    return len(module._forward_hooks), len(module._forward_pre_hooks)
+
+
+def dynamo_compile_errors() -> tuple[type, ...]:
+    """What ``torch.compile(fullgraph=True)`` raises when a function does not compile into one graph
+    (``torch._dynamo.exc``): Dynamo's errors, the recompile limit among them."""
+    import torch._dynamo
+
+    return (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit)
+
+
 # Triton's kernel cache and its autotuning cache key every kernel by the ptxas it compiles with.
 # Inductor points Triton at torch's bundled ptxas (``TRITON_PTXAS_PATH``, from
 # ``_set_triton_ptxas_path`` in ``torch/_inductor/runtime/compile_tasks.py``; torch 2.11's is CUDA

@@ -438,4 +438,4 @@ def rope_use(
 def advance(modules: list, cache) -> None:
     """After a decode step's forward: the fill count of every layer ``modules`` wrote, one op."""
     if modules:
-        torch._foreach_add_([cache.layers[m.layer_idx].cumulative_length for m in modules], 1)
+        torch_up.add_one_to_each([cache.layers[m.layer_idx].cumulative_length for m in modules])

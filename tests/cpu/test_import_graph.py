@@ -147,3 +147,113 @@ def test_no_module_reads_another_modules_private_attributes():
             if node.attr.startswith("_") and not node.attr.startswith("__"):
                 bad.append(f"{name} reads {target}.{node.attr}")
     assert not bad, sorted(set(bad))
+
+
+# -- the architecture page's rules, held to the code (docs/architecture.md) ----------------------
+
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+#: Underscored names of other libraries that are their public API by convention.
+PUBLIC_BY_CONVENTION = {"os._exit"}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _names_defined_in_the_package(trees) -> set[str]:
+    """Every name the package itself defines or binds: its own underscored attributes are its own."""
+    ours = set()
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                ours.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                ours.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                ours.add(node.attr)
+            elif isinstance(node, ast.arg):
+                ours.add(node.arg)
+            elif isinstance(node, ast.alias):
+                ours.add((node.asname or node.name).split(".")[0])
+    return ours
+
+
+def _foreign_private_reads(root: Path = PACKAGE) -> dict[str, list[str]]:
+    """Per module outside ``_upstream/``: reads of another library's underscored attribute or
+    module (``torch._dynamo``, ``m._forward_hooks``, ``from torch._inductor import ...``)."""
+    paths = sorted(root.rglob("*.py"))
+    trees = {p: ast.parse(p.read_text(), str(p)) for p in paths}
+    ours = _names_defined_in_the_package(trees.values())
+    found: dict[str, list[str]] = {}
+    for path, tree in trees.items():
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith("_upstream/"):
+            continue
+        for node in ast.walk(tree):
+            what = None
+            if isinstance(node, ast.Attribute) and _private(node.attr) and node.attr not in ours:
+                if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                    what = ast.unparse(node)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                if node.module.split(".")[0] != "hf_zero3" and any(map(_private, node.module.split("."))):
+                    what = f"from {node.module} import"
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.split(".")[0] != "hf_zero3" and any(map(_private, alias.name.split("."))):
+                        what = f"import {alias.name}"
+            if what is not None and what not in PUBLIC_BY_CONVENTION:
+                found.setdefault(rel, []).append(f"{rel}:{node.lineno}: {what}")
+    return found
+
+
+def test_only_upstream_reads_other_libraries_private_attributes():
+    """The architecture page's rule: every read of a private attribute of DeepSpeed, transformers,
+    accelerate, TRL or torch lives in ``_upstream/``, one accessor each."""
+    assert "Only `_upstream/` touches private attributes" in ARCHITECTURE.read_text()
+    found = _foreign_private_reads()
+    assert not found, [line for lines in found.values() for line in lines]
+
+
+def test_the_private_read_finder_finds_one(tmp_path):
+    code = "import torch\nfrom torch._inductor import config\n\ndef f(m):\n    return m._forward_hooks, torch._dynamo\n"
+    (tmp_path / "_upstream").mkdir()
+    (tmp_path / "_upstream" / "torch.py").write_text(code)
+    (tmp_path / "mod.py").write_text(code + "\nclass C:\n    def g(self, o):\n        o._own = self._own = 1\n")
+    found = _foreign_private_reads(tmp_path)
+    assert list(found) == ["mod.py"], found
+    assert [line.split(": ", 1)[1] for line in found["mod.py"]] == [
+        "from torch._inductor import",
+        "m._forward_hooks",
+        "torch._dynamo",
+    ], found
+
+
+def _environment_readers() -> set[str]:
+    """Modules (paths under hf_zero3/) that touch ``os.environ`` or call ``os.getenv``."""
+    found = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv"):
+                if isinstance(node.value, ast.Name) and node.value.id == "os":
+                    found.add(path.relative_to(PACKAGE).as_posix())
+            elif isinstance(node, ast.ImportFrom) and node.module == "os":
+                if any(a.name in ("environ", "getenv") for a in node.names):
+                    found.add(path.relative_to(PACKAGE).as_posix())
+    return found
+
+
+def test_the_architecture_page_lists_every_module_that_reads_the_environment():
+    """Its "Environment reads" table names exactly the modules that read ``os.environ``."""
+    text = ARCHITECTURE.read_text()
+    assert "## Environment reads" in text
+    section = text.split("## Environment reads", 1)[1].split("\n## ", 1)[0]
+    listed = set()
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and cells[0].startswith("`") and cells[0].endswith(".py`"):
+            listed.add(cells[0].strip("`"))
+    readers = _environment_readers()
+    assert readers, "the reader found the package"
+    assert listed == readers, (
+        f"read but not listed: {sorted(readers - listed)}; listed, not read: {sorted(listed - readers)}"
+    )
