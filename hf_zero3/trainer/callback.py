@@ -28,7 +28,7 @@ import weakref
 from transformers import TrainerCallback
 
 from .. import zero3
-from .._upstream import transformers as hf_up
+from .._upstream import transformers_trainer as trainer_up
 from .._upstream import trl as trl_up
 from .._upstream.versions import check_versions
 from ..errors import Zero3Error
@@ -81,7 +81,7 @@ class Zero3Safe(TrainerCallback):
 
     # -- install -----------------------------------------------------------------------------
     def on_init_end(self, args, state, control, model=None, **kwargs):
-        trainer = hf_up.trainer_calling_callback()
+        trainer = trainer_up.trainer_calling_callback()
         if trainer is None:
             self._install(model)
             return
@@ -132,7 +132,7 @@ class Zero3Safe(TrainerCallback):
 
     def _attach_engine(self) -> None:
         trainer = self.trainer
-        engine = hf_up.trainer_engine(trainer) if trainer is not None else None
+        engine = trainer_up.trainer_engine(trainer) if trainer is not None else None
         if engine is not None:
             runtime_of(engine)
 
@@ -143,7 +143,7 @@ class Zero3Safe(TrainerCallback):
         from ..accelerate.plugin import wants_memory_plan
         from ..compile.config import SECTION
 
-        config = hf_up.trainer_deepspeed_config(trainer) or {}
+        config = trainer_up.trainer_deepspeed_config(trainer) or {}
         if wants_memory_plan(config) or SECTION[0] in config:  # the plan, or our section's "auto"s to resolve
             from ..accelerate import enable_memory_plan
 
@@ -160,18 +160,18 @@ class Zero3Safe(TrainerCallback):
     def _wrap_train(self, trainer) -> None:
         """``train`` on this Trainer instance: a second call starts from the DeepSpeed config the
         Trainer was built with, without the engine of the first (transformers frees that engine
-        and keeps pointing at it: :func:`hf_zero3._upstream.transformers.forget_engine`). Every
+        and keeps pointing at it: :func:`hf_zero3._upstream.transformers_trainer.forget_engine`). Every
         rank calls ``train()``, so every rank does the same."""
         original = trainer.train
         if getattr(original, "_hf_zero3_wrapped", False):
             return
-        config = hf_up.trainer_deepspeed_config_copy(trainer)
+        config = trainer_up.trainer_deepspeed_config_copy(trainer)
 
         @functools.wraps(original)
         def train(*args, **kwargs):
             owner = self.trainer
-            if config is not None and owner is not None and hf_up.trainer_has_engine(owner):
-                hf_up.forget_engine(owner, config)
+            if config is not None and owner is not None and trainer_up.trainer_has_engine(owner):
+                trainer_up.forget_engine(owner, config)
             return original(*args, **kwargs)
 
         train._hf_zero3_wrapped = True
@@ -202,7 +202,7 @@ class Zero3Safe(TrainerCallback):
 
     def _check_compiled(self) -> None:
         trainer = self.trainer
-        engine = hf_up.trainer_engine(trainer) if trainer is not None else None
+        engine = trainer_up.trainer_engine(trainer) if trainer is not None else None
         if engine is None or self._warned_uncompiled:
             return
         from .._upstream import deepspeed as ds_up
@@ -223,13 +223,13 @@ def _collective_entry(callback: Zero3Safe, name: str, original):
     (local), and under ZeRO-3 the ranks agree the call ended, so one rank's failure is every rank's
     (an error hf_zero3 already shared is raised as it is). A call before ``train()`` leaves the
     Trainer as it was: the DeepSpeed config it shares restored, its inference engine freed
-    (:func:`hf_zero3._upstream.transformers.forget_engine`)."""
+    (:func:`hf_zero3._upstream.transformers_trainer.forget_engine`)."""
 
     @functools.wraps(original)
     def entry(*args, **kwargs):
         trainer = callback.trainer
         # before train(): this call builds an inference engine that train() would trip over
-        config = hf_up.pretrain_eval_config(trainer) if trainer is not None else None
+        config = trainer_up.pretrain_eval_config(trainer) if trainer is not None else None
         error = None
         try:
             return original(*args, **kwargs)
@@ -240,7 +240,7 @@ def _collective_entry(callback: Zero3Safe, name: str, original):
             model = getattr(trainer, "model", None) if trainer is not None else None
             _close(model)
             if config is not None:  # the user's config back, the engine freed (same on every rank)
-                hf_up.forget_engine(trainer, config)
+                trainer_up.forget_engine(trainer, config)
             callback._attach_engine()
             shared = isinstance(error, Zero3Error) or (error is not None and not isinstance(error, Exception))
             if model is not None and zero3.is_zero3_model(model) and not shared:  # (KeyboardInterrupt: no)

@@ -76,7 +76,7 @@ DEEPCOMPILE_PAD_TO_MULTIPLE_OF = 128  # TRL's own choice on Neuron: fewer shapes
 
 def runs_zero3(trainer) -> bool:
     """Whether ``trainer``'s DeepSpeed config is ZeRO-3 (a trainer that is not is left alone)."""
-    from .._upstream.transformers import trainer_deepspeed_config
+    from .._upstream.transformers_trainer import trainer_deepspeed_config
 
     stage = ((trainer_deepspeed_config(trainer) or {}).get("zero_optimization") or {}).get("stage")
     if stage != 3:
@@ -211,7 +211,7 @@ def _padded_to_group(pad):
 def _deepcompile_training(trainer) -> bool:
     """The trainer will train through DeepCompile: its DeepSpeed config enables it and
     ``torch_compile`` makes accelerate call ``engine.compile()`` (the engine does not exist yet)."""
-    from .._upstream.transformers import trainer_deepspeed_config
+    from .._upstream.transformers_trainer import trainer_deepspeed_config
 
     config = trainer_deepspeed_config(trainer) or {}
     return bool((config.get("compile") or {}).get("deepcompile")) and bool(

@@ -16,6 +16,7 @@ from hf_zero3._upstream import accelerate as acc_up
 from hf_zero3._upstream import deepspeed as ds_up
 from hf_zero3._upstream import torch as torch_up
 from hf_zero3._upstream import transformers as hf_up
+from hf_zero3._upstream import transformers_trainer as trainer_up
 from hf_zero3._upstream import trl as trl_up
 from hf_zero3.testing import run_ranks
 
@@ -359,18 +360,18 @@ def _trainer_contracts(tmpdir):
 
     class Probe(TrainerCallback):
         def on_init_end(self, args, state, control, **kwargs):
-            found["trainer"] = hf_up.trainer_calling_callback()
+            found["trainer"] = trainer_up.trainer_calling_callback()
 
     trainer = make_trainer(tmpdir, callbacks=[Probe()], max_steps=1)
-    config = hf_up.trainer_deepspeed_config(trainer)
-    before = hf_up.trainer_engine(trainer)
+    config = trainer_up.trainer_deepspeed_config(trainer)
+    before = trainer_up.trainer_engine(trainer)
     trainer.train()
     return dict(
         found=found["trainer"] is trainer,
         stage=config["zero_optimization"]["stage"],
         engine_before=before is not None,
-        engine_after=hf_up.trainer_engine(trainer) is trainer.model_wrapped,
-        outside=hf_up.trainer_calling_callback() is None,
+        engine_after=trainer_up.trainer_engine(trainer) is trainer.model_wrapped,
+        outside=trainer_up.trainer_calling_callback() is None,
     )
 
 
