@@ -25,7 +25,9 @@ forwards that such a group runs, without EOS. (A Python stopping criterion would
 configuration onto transformers' loop, so the lengths are applied in the count, not in the loop.)
 
 Model: Llama-3.2-1B shape in code (random weights, bf16) under ZeRO-3 on every GPU (up to 2), 64
--token prompts, greedy. Each configuration runs once to compile, then ``BENCH_REPS`` more times
+-token prompts (``BENCH_PROMPTS=padded``: left-padded prompts of 32-64 tokens with their attention
+mask, as a chat template's prompts reach a rollout), greedy. Each configuration runs once to
+compile, then ``BENCH_REPS`` more times
 (default 5; HF eager and layer-wise, which take seconds, once); ``seconds`` is the median of
 those (a repeated rollout: the static loop replays the CUDA graphs its first call captured,
 ``graphs_reused``), ``seconds_all`` every one (``capture_s_all``: host seconds each spent capturing
@@ -55,6 +57,12 @@ MAX_NEW = int(os.environ.get("BENCH_MAX_NEW", 128))
 REPS = int(os.environ.get("BENCH_REPS", 5))  # timed calls after the compiling one
 BATCHES = [int(b) for b in os.environ.get("BENCH_BATCHES", "8,64").split(",")]
 PROMPT = 64
+# "fixed": every row a PROMPT-token prompt; "padded": left-padded prompts of PROMPT/2..PROMPT tokens
+# with their attention mask, as a chat template's prompts reach a rollout (a padding mask also
+# selects another attention kernel for the prompt forward)
+PROMPTS = os.environ.get("BENCH_PROMPTS", "fixed")
+if PROMPTS not in ("fixed", "padded"):
+    raise SystemExit(f"BENCH_PROMPTS takes fixed or padded, not {PROMPTS!r}")
 # hf_zero3 rows: name -> (graph_steps, sync_every, switches set for the row); every other
 # HF_ZERO3_* switch is unset, so it runs at the library's default
 _ON, _OFF = "1", "0"
@@ -124,6 +132,12 @@ def rank_main(partial: str):
         g = torch.Generator().manual_seed(rank)
         ids = torch.randint(3, cfg.vocab_size, (batch, PROMPT), generator=g).to(dev)
         targets = torch.randint(MAX_NEW // 4, MAX_NEW + 1, (batch,), generator=g)
+        prompt_kw = {}
+        if PROMPTS == "padded":
+            lengths = torch.randint(PROMPT // 2, PROMPT + 1, (batch,), generator=g)
+            mask = (torch.arange(PROMPT)[None, :] >= (PROMPT - lengths)[:, None]).long().to(dev)
+            ids = ids.masked_fill(mask == 0, 0)
+            prompt_kw = {"attention_mask": mask}
         targets[0] = MAX_NEW if rank == 0 else targets[0]
         useful = int(targets.sum())
         seen: dict = {}
@@ -137,6 +151,7 @@ def rank_main(partial: str):
             for rep in range(1 + (REPS if name.startswith("hf_zero3") or name == "hf_static_gathered" else 1)):
                 mark(f"batch {batch} {name} rep {rep}")
                 kw = dict(input_ids=ids, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0, eos_token_id=None)
+                kw.update(prompt_kw)
                 dist.barrier()
                 torch.cuda.synchronize()
                 t = time.perf_counter()
@@ -228,6 +243,7 @@ def main():
         dtype="bf16",
         max_new_tokens=MAX_NEW,
         prompt=PROMPT,
+        prompts=PROMPTS,
         batches=BATCHES,
         reps=REPS,
         hbm_tbps=bw / 1e12,
