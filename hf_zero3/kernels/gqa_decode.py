@@ -17,8 +17,9 @@ cache's fill count, the new token's own score from registers, the positions befo
 cache): the decode steps of Llama attention modules take it where the kernel attends
 (:mod:`hf_zero3.decode.gqa_attention`), instead of four small kernels per layer beside it.
 
-Loaded lazily: :func:`is_available` is False without Triton or without ``torch.library.triton_op``
-(torch < 2.6); the caller then keeps the PyTorch form. Registered as the custom ops
+Loaded lazily (the kernels, in :mod:`._gqa_decode_triton`, import Triton): :func:`is_available` is
+False without Triton or without ``torch.library.triton_op`` (torch < 2.6); the caller then keeps
+the PyTorch form. Registered as the custom ops
 ``hf_zero3::gqa_decode_attention`` and ``hf_zero3::gqa_decode_rope_attention`` (which mutates the
 two cache tensors) through ``torch.library.triton_op``, so ``torch.compile``
 (``fullgraph=True``) traces it and CUDA graphs capture it. The decode loop's
@@ -114,352 +115,128 @@ def load():
 
 
 def _build():
+    """Register the ops over the kernels, imported here (they need Triton, which may be missing)."""
+    from . import _gqa_decode_triton as k
+
+    # the raw kernels, as the ahead-of-time compile test takes them
+    _state["jit"] = {"attention": k.attention_kernel, "rope": k.rope_attention_kernel}
+    _state["launch"] = {name: _triton.launcher(kernel) for name, kernel in _state["jit"].items()}
+    rope = _triton.op("hf_zero3::gqa_decode_rope_attention", ("key_cache", "value_cache"), _rope_out)
+    _state["rope_op"], _state["rope_run"] = rope(_rope_body(_plain)), _rope_run  # rope_run: the probe's launch settings
+    if not _triton.interpreted():
+        dependent = torch.library.custom_op(
+            "hf_zero3::gqa_decode_rope_attention_dependent", mutates_args=("key_cache", "value_cache")
+        )(_rope_body(_dependent))
+        dependent.register_fake(_rope_out)
+        _state["rope_dependent_op"] = dependent
+    return _triton.op("hf_zero3::gqa_decode_attention", (), _out_like)(_attention)
+
+
+def _meta(heads: int, dtype, key_heads: int, d: int, dv: int, launch: dict) -> dict:
+    """Both kernels' constexprs and launch settings: a program holds a whole group of query heads,
+    tiles of at least 16 (what ``tl.dot`` takes), ``launch`` over :data:`LAUNCH`."""
     import triton
-    import triton.language as tl
 
-    @triton.jit
-    def kernel(
-        Q,
-        K,
-        V,
-        M,
-        O,
+    group = heads // key_heads
+    return dict(
+        KV=key_heads,
+        G=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        D=d,
+        BLOCK_D=max(16, triton.next_power_of_2(d)),
+        DV=dv,
+        BLOCK_DV=max(16, triton.next_power_of_2(dv)),
+        PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        **{**LAUNCH, **launch},
+    )
+
+
+def _strides(key, value, mask, out) -> tuple:
+    """The strides both kernels take last: the key and value caches' (row, head, position), the
+    mask's (row: 0 where one mask row serves every row; position), the output's (row, head)."""
+    mb = mask.stride(0) if mask.shape[0] == out.shape[0] else 0
+    return (*key.stride()[:3], *value.stride()[:3], mb, mask.stride(3), out.stride(0), out.stride(2))
+
+
+def _parts(t) -> tuple:
+    """(partial stride, row stride, head stride) of a (rows, heads, dim) or (split, ...) input."""
+    return (t.stride(0) if t.dim() == 4 else 0, t.stride(-3), t.stride(-2))
+
+
+def _out_like(query, key, value, mask, mask_kind, scale):
+    return query.new_empty(query.shape[0], 1, query.shape[1], value.shape[-1])
+
+
+def _attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, mask_kind: int, scale: float
+) -> torch.Tensor:
+    """The body of ``hf_zero3::gqa_decode_attention``: one program per (row, key/value head)."""
+    b, h, _, d = query.shape
+    kv, length = key.shape[1], key.shape[2]
+    dv = value.shape[-1]
+    out = torch.empty(b, 1, h, dv, dtype=query.dtype, device=query.device)
+    _state["launch"]["attention"][(b * kv,)](
+        query,
+        key,
+        value,
+        mask,
+        out,
         scale,
-        sqb,
-        sqh,
-        skb,
-        skh,
-        sks,
-        svb,
-        svh,
-        svs,
-        smb,
-        sms,
-        sob,
-        soh,
-        L: tl.constexpr,
-        KV: tl.constexpr,
-        G: tl.constexpr,
-        BLOCK_G: tl.constexpr,
-        D: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        DV: tl.constexpr,
-        BLOCK_DV: tl.constexpr,
-        BLOCK: tl.constexpr,
-        MASK: tl.constexpr,
-        PRECISION: tl.constexpr,
-    ):
-        pid = tl.program_id(0)
-        b = pid // KV
-        head = pid % KV
-        g = tl.arange(0, BLOCK_G)
-        dd = tl.arange(0, BLOCK_D)
-        dv = tl.arange(0, BLOCK_DV)
-        rows = g < G
-        q = tl.load(
-            Q + b * sqb + (head * G + g)[:, None] * sqh + dd[None, :], mask=rows[:, None] & (dd[None, :] < D), other=0.0
-        )
-        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
-        for start in range(0, L, BLOCK):
-            s = start + tl.arange(0, BLOCK)
-            inside = s < L
-            if MASK == 1:  # boolean: True where the query attends
-                valid = inside & (tl.load(M + b * smb + s * sms, mask=inside, other=0) != 0)
-                bias = tl.zeros([BLOCK], tl.float32)
-            elif MASK == 2:  # additive
-                valid = inside
-                bias = tl.load(M + b * smb + s * sms, mask=inside, other=0.0).to(tl.float32)
-            else:
-                valid = inside
-                bias = tl.zeros([BLOCK], tl.float32)
-            if tl.max(valid.to(tl.int32), axis=0) > 0:  # a block with no position to attend is not read
-                k = tl.load(
-                    K + b * skb + head * skh + s[:, None] * sks + dd[None, :],
-                    mask=valid[:, None] & (dd[None, :] < D),
-                    other=0.0,
-                )
-                # float32 whatever the scale arrives as (inductor passes a Python float as fp64)
-                qk = (tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale).to(tl.float32) + bias[None, :]
-                qk = tl.where(valid[None, :], qk, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-                p = tl.exp(qk - m_new[:, None])
-                alpha = tl.exp(m_i - m_new)
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                v = tl.load(
-                    V + b * svb + head * svh + s[:, None] * svs + dv[None, :],
-                    mask=valid[:, None] & (dv[None, :] < DV),
-                    other=0.0,
-                )
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-                m_i = m_new
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(
-            O + b * sob + (head * G + g)[:, None] * soh + dv[None, :],
-            out.to(O.dtype.element_ty),
-            mask=rows[:, None] & (dv[None, :] < DV),
-        )
+        query.stride(0),
+        query.stride(1),
+        *_strides(key, value, mask, out),
+        L=length,
+        MASK=mask_kind,
+        **_meta(h, query.dtype, kv, d, dv, {}),
+    )
+    return out
 
-    @triton.jit
-    def rope_kernel(
-        Q,
-        KN,
-        VN,
-        COS,
-        SIN,
-        KC,
-        VC,
-        P,
-        M,
-        O,
+
+def _rope_out(query, key, value, cos, sin, key_cache, value_cache, position, mask, mask_kind, scale):
+    return value_cache.new_empty(query.shape[-3], 1, query.shape[-2], value_cache.shape[-1])
+
+
+def _rope_run(query, key, value, cos, sin, key_cache, value_cache, position, mask, mask_kind, scale, **launch):
+    """Launch the rope kernel, one program per (row, key/value head); ``launch``: settings over
+    :data:`LAUNCH` and the kernel's ``PDL`` and ``EARLY`` (by default a dependent launch's order
+    where ``PDL``; see the kernel)."""
+    launch = {"PDL": False, **launch}
+    launch.setdefault("EARLY", launch["PDL"])
+    b, h, d = query.shape[-3:]
+    kv, length = key_cache.shape[1], key_cache.shape[2]
+    dv = value_cache.shape[-1]
+    out = torch.empty(b, 1, h, dv, dtype=value_cache.dtype, device=query.device)
+    _state["launch"]["rope"][(b * kv,)](
+        query,
+        key,
+        value,
+        cos,
+        sin,
+        key_cache,
+        value_cache,
+        position,
+        mask,
+        out,
         scale,
-        sqp,
-        sqb,
-        sqh,
-        sknp,
-        sknb,
-        sknh,
-        svnp,
-        svnb,
-        svnh,
-        scb,
-        ssb,
-        skb,
-        skh,
-        sks,
-        svb,
-        svh,
-        svs,
-        smb,
-        sms,
-        sob,
-        soh,
-        L: tl.constexpr,
-        KV: tl.constexpr,
-        G: tl.constexpr,
-        BLOCK_G: tl.constexpr,
-        D: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        DV: tl.constexpr,
-        BLOCK_DV: tl.constexpr,
-        BLOCK: tl.constexpr,
-        MASK: tl.constexpr,
-        PRECISION: tl.constexpr,
-        PDL: tl.constexpr,
-        SPLIT: tl.constexpr,
-        EARLY: tl.constexpr,
-    ):
-        # SPLIT > 1: the query, key and value arrive as SPLIT float32 partial sums of their projection
-        # (a split-K GEMM's, strides sqp/sknp/svnp apart); summed here and rounded to the cache's
-        # dtype, as the projection would have returned them. Inlined sums, no helper: inductor
-        # embeds a triton_op kernel with the helpers it finds in its module, not in this closure
-        pid = tl.program_id(0)
-        b = pid // KV
-        head = pid % KV
-        g = tl.arange(0, BLOCK_G)
-        dd = tl.arange(0, BLOCK_D)
-        dv = tl.arange(0, BLOCK_DV)
-        rows = g < G
-        in_d = dd < D
-        in_dv = dv < DV
-        # EARLY (a dependent launch's order, run by the CPU tests without one): the first cache
-        # block's keys and values (and the fill count) load before the wait of a dependent launch:
-        # no kernel of this step writes them (the positions before the fill count were written by
-        # this layer's earlier steps, the count is advanced between steps), so they load while the
-        # kernel before (the q/k/v projection) still runs; the new token's cache write then comes
-        # last (a store before would order every cache load after it). Otherwise the order a plain
-        # launch runs faster with: write, then the loop from the first block (ablations: benchmarks/RESULTS.md)
-        pos = tl.load(P)  # the cache's fill count before this step: the new token's cache position
-        if EARLY:
-            s0 = tl.arange(0, BLOCK)
-            in0 = s0 < tl.minimum(pos, L)
-            kc0 = tl.load(
-                KC + b * skb + head * skh + s0[:, None] * sks + dd[None, :],
-                mask=in0[:, None] & in_d[None, :],
-                other=0.0,
-            )
-            vc0 = tl.load(
-                VC + b * svb + head * svh + s0[:, None] * svs + dv[None, :],
-                mask=in0[:, None] & in_dv[None, :],
-                other=0.0,
-            )
-        if PDL:  # a programmatic dependent launch: wait for the kernel before, release the one after
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        # rotate_half: the first half takes minus the second half's value, the second the first's
-        partner = tl.where(dd < D // 2, dd + D // 2, dd - D // 2)
-        sign = tl.where(dd < D // 2, -1.0, 1.0)
-        cos = tl.load(COS + b * scb + dd, mask=in_d, other=0.0).to(tl.float32)
-        sin = tl.load(SIN + b * ssb + dd, mask=in_d, other=0.0).to(tl.float32)
-        k = tl.zeros([BLOCK_D], tl.float32)
-        kp = tl.zeros([BLOCK_D], tl.float32)
-        v_new = tl.zeros([BLOCK_DV], tl.float32)
-        qmask = rows[:, None] & in_d[None, :]
-        qrow = Q + b * sqb + (head * G + g)[:, None] * sqh
-        q = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        qp = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        for i in tl.static_range(SPLIT):
-            k += tl.load(KN + i * sknp + b * sknb + head * sknh + dd, mask=in_d, other=0.0).to(tl.float32)
-            kp += tl.load(KN + i * sknp + b * sknb + head * sknh + partner, mask=in_d, other=0.0).to(tl.float32)
-            v_new += tl.load(VN + i * svnp + b * svnb + head * svnh + dv, mask=in_dv, other=0.0).to(tl.float32)
-            q += tl.load(qrow + i * sqp + dd[None, :], mask=qmask, other=0.0).to(tl.float32)
-            qp += tl.load(qrow + i * sqp + partner[None, :], mask=qmask, other=0.0).to(tl.float32)
-        if MASK == 1:
-            own = tl.load(M + b * smb + pos * sms) != 0
-        else:
-            own = pos >= 0
-        k = k.to(KC.dtype.element_ty).to(tl.float32)
-        kp = kp.to(KC.dtype.element_ty).to(tl.float32)
-        v_new = v_new.to(VC.dtype.element_ty).to(tl.float32)
-        k_new = (k * cos + sign * kp * sin).to(KC.dtype.element_ty)  # rounded as the cache stores it
-        if not EARLY:
-            tl.store(KC + b * skb + head * skh + pos * sks + dd, k_new, mask=in_d)
-            tl.store(VC + b * svb + head * svh + pos * svs + dv, v_new.to(VC.dtype.element_ty), mask=in_dv)
-        q = q.to(KC.dtype.element_ty).to(tl.float32)
-        qp = qp.to(KC.dtype.element_ty).to(tl.float32)
-        q = (q * cos[None, :] + sign[None, :] * qp * sin[None, :]).to(KC.dtype.element_ty)
-        # the new token's own score from registers (its cache row is written at the end)
-        # float32 whatever the scale arrives as (inductor's fp64 would make the loop's state fp64)
-        s_new = (tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale).to(tl.float32)
-        if MASK == 2:
-            s_new = s_new + tl.load(M + b * smb + pos * sms).to(tl.float32)
-        m_i = tl.where(own, s_new, float("-inf"))
-        l_i = tl.where(own, 1.0, 0.0) + tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.where(own, 1.0, 0.0) * v_new.to(tl.float32)[None, :] + tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
-        if EARLY:  # the first block, loaded above (nothing of it attended where the cache is empty)
-            if MASK == 2:
-                bias0 = tl.load(M + b * smb + s0 * sms, mask=in0, other=0.0).to(tl.float32)
-            else:
-                bias0 = tl.zeros([BLOCK], tl.float32)
-            if MASK == 1:
-                valid0 = in0 & (tl.load(M + b * smb + s0 * sms, mask=in0, other=0) != 0)
-            else:
-                valid0 = in0
-            qk = (tl.dot(q, tl.trans(kc0), input_precision=PRECISION) * scale).to(tl.float32) + bias0[None, :]
-            qk = tl.where(valid0[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing to attend yet
-            p = tl.exp(qk - m_use[:, None])
-            alpha = tl.exp(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            vc0 = tl.where(valid0[:, None], vc0, tl.zeros_like(vc0))  # a masked position's value never enters
-            acc = acc * alpha[:, None] + tl.dot(p.to(vc0.dtype), vc0, input_precision=PRECISION)
-            m_i = m_new
-        # the (other) positions filled before this step, block by block up to the fill count (a loop
-        # bound read at run time: the unfilled tail is neither read nor computed). Every load of a
-        # block (mask, keys, values) waits only for the fill count, none for another, and no branch
-        # stands between blocks: the loads of a block are in flight together and the next block's
-        # while this one is computed (the loop is software-pipelined)
-        for start in range(BLOCK if EARLY else 0, tl.minimum(pos, L), BLOCK):
-            s = start + tl.arange(0, BLOCK)
-            inside = s < pos
-            if MASK == 1:
-                valid = inside & (tl.load(M + b * smb + s * sms, mask=inside, other=0) != 0)
-                bias = tl.zeros([BLOCK], tl.float32)
-            elif MASK == 2:
-                valid = inside
-                bias = tl.load(M + b * smb + s * sms, mask=inside, other=0.0).to(tl.float32)
-            else:
-                valid = inside
-                bias = tl.zeros([BLOCK], tl.float32)
-            kc = tl.load(
-                KC + b * skb + head * skh + s[:, None] * sks + dd[None, :],
-                mask=inside[:, None] & in_d[None, :],
-                other=0.0,
-            )
-            vc = tl.load(
-                VC + b * svb + head * svh + s[:, None] * svs + dv[None, :],
-                mask=inside[:, None] & in_dv[None, :],
-                other=0.0,
-            )
-            qk = (tl.dot(q, tl.trans(kc), input_precision=PRECISION) * scale).to(tl.float32) + bias[None, :]
-            qk = tl.where(valid[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing to attend yet
-            p = tl.exp(qk - m_use[:, None])
-            alpha = tl.exp(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            vc = tl.where(valid[:, None], vc, tl.zeros_like(vc))  # a masked position's value never enters
-            acc = acc * alpha[:, None] + tl.dot(p.to(vc.dtype), vc, input_precision=PRECISION)
-            m_i = m_new
-        if EARLY:
-            tl.store(KC + b * skb + head * skh + pos * sks + dd, k_new, mask=in_d)
-            tl.store(VC + b * svb + head * svh + pos * svs + dv, v_new.to(VC.dtype.element_ty), mask=in_dv)
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(
-            O + b * sob + (head * G + g)[:, None] * soh + dv[None, :],
-            out.to(O.dtype.element_ty),
-            mask=rows[:, None] & in_dv[None, :],
-        )
+        *_parts(query),
+        *_parts(key),
+        *_parts(value),
+        cos.stride(0) if cos.shape[0] == b else 0,
+        sin.stride(0) if sin.shape[0] == b else 0,
+        *_strides(key_cache, value_cache, mask, out),
+        L=length,
+        MASK=mask_kind,
+        SPLIT=query.shape[0] if query.dim() == 4 else 1,
+        **_meta(h, key_cache.dtype, kv, d, dv, launch),
+    )
+    return out
 
-    launch = _triton.launcher(kernel)
-    launch_rope = _triton.launcher(rope_kernel)
 
-    def meta(heads, dtype, key_heads, d, dv, launch):
-        group = heads // key_heads
-        return dict(
-            KV=key_heads,
-            G=group,
-            BLOCK_G=max(16, triton.next_power_of_2(group)),
-            D=d,
-            BLOCK_D=max(16, triton.next_power_of_2(d)),
-            DV=dv,
-            BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-            PRECISION="ieee" if dtype == torch.float32 else "tf32",
-            **{**LAUNCH, **launch},
-        )
+def _rope_body(settings):
+    """The body of a rope op, launched with ``settings(query, key_cache)``: one signature for both
+    ops, from which ``torch.library`` reads their schema."""
 
-    def rope_out(query, key, value, cos, sin, key_cache, value_cache, position, mask, mask_kind, scale):
-        return value_cache.new_empty(query.shape[-3], 1, query.shape[-2], value_cache.shape[-1])
-
-    def parts(t):  # (partial stride, row stride, head stride) of a (rows, heads, dim) or (split, ...) input
-        return (t.stride(0) if t.dim() == 4 else 0, t.stride(-3), t.stride(-2))
-
-    def rope_run(query, key, value, cos, sin, key_cache, value_cache, position, mask, mask_kind, scale, **launch):
-        launch = {"PDL": False, **launch}
-        launch.setdefault("EARLY", launch["PDL"])  # a dependent launch's order (see the kernel)
-        b, h, d = query.shape[-3:]
-        kv, length = key_cache.shape[1], key_cache.shape[2]
-        dv = value_cache.shape[-1]
-        out = torch.empty(b, 1, h, dv, dtype=value_cache.dtype, device=query.device)
-        mb = mask.stride(0) if mask.shape[0] == b else 0
-        launch_rope[(b * kv,)](
-            query,
-            key,
-            value,
-            cos,
-            sin,
-            key_cache,
-            value_cache,
-            position,
-            mask,
-            out,
-            scale,
-            *parts(query),
-            *parts(key),
-            *parts(value),
-            cos.stride(0) if cos.shape[0] == b else 0,
-            sin.stride(0) if sin.shape[0] == b else 0,
-            key_cache.stride(0),
-            key_cache.stride(1),
-            key_cache.stride(2),
-            value_cache.stride(0),
-            value_cache.stride(1),
-            value_cache.stride(2),
-            mb,
-            mask.stride(3),
-            out.stride(0),
-            out.stride(2),
-            L=length,
-            MASK=mask_kind,
-            SPLIT=query.shape[0] if query.dim() == 4 else 1,
-            **meta(h, key_cache.dtype, kv, d, dv, launch),
-        )
-        return out
-
-    @_triton.op("hf_zero3::gqa_decode_rope_attention", ("key_cache", "value_cache"), rope_out)
-    def rope_op(
+    def body(
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
@@ -472,88 +249,24 @@ def _build():
         mask_kind: int,
         scale: float,
     ) -> torch.Tensor:
-        return rope_run(query, key, value, cos, sin, key_cache, value_cache, position, mask, mask_kind, scale)
-
-    _state["rope_op"], _state["rope_run"] = rope_op, rope_run  # rope_run: the probe's launch settings
-    if not _triton.interpreted():
-
-        @torch.library.custom_op(
-            "hf_zero3::gqa_decode_rope_attention_dependent", mutates_args=("key_cache", "value_cache")
+        launch = settings(query, key_cache)
+        return _rope_run(
+            query, key, value, cos, sin, key_cache, value_cache, position, mask, mask_kind, scale, **launch
         )
-        def rope_dependent(
-            query: torch.Tensor,
-            key: torch.Tensor,
-            value: torch.Tensor,
-            cos: torch.Tensor,
-            sin: torch.Tensor,
-            key_cache: torch.Tensor,
-            value_cache: torch.Tensor,
-            position: torch.Tensor,
-            mask: torch.Tensor,
-            mask_kind: int,
-            scale: float,
-        ) -> torch.Tensor:
-            # launched here, not through inductor's call of a triton_op kernel (which takes no
-            # launch attributes); a CUDA graph captures it as any kernel
-            return rope_run(
-                query,
-                key,
-                value,
-                cos,
-                sin,
-                key_cache,
-                value_cache,
-                position,
-                mask,
-                mask_kind,
-                scale,
-                PDL=True,
-                launch_pdl=True,
-                **_one_wave(query.shape[-3] * key_cache.shape[1], query.device),
-            )
 
-        rope_dependent.register_fake(rope_out)
-        _state["rope_dependent_op"] = rope_dependent
-    _state["jit"] = {"attention": kernel, "rope": rope_kernel}  # the raw kernels (ahead-of-time compile test)
+    return body
 
-    def out_like(query, key, value, mask, mask_kind, scale):
-        return query.new_empty(query.shape[0], 1, query.shape[1], value.shape[-1])
 
-    @_triton.op("hf_zero3::gqa_decode_attention", (), out_like)
-    def op(
-        query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, mask_kind: int, scale: float
-    ) -> torch.Tensor:
-        b, h, _, d = query.shape
-        kv, length = key.shape[1], key.shape[2]
-        dv = value.shape[-1]
-        out = torch.empty(b, 1, h, dv, dtype=query.dtype, device=query.device)
-        mb = mask.stride(0) if mask.shape[0] == b else 0  # a mask of one row serves every row
-        launch[(b * kv,)](
-            query,
-            key,
-            value,
-            mask,
-            out,
-            scale,
-            query.stride(0),
-            query.stride(1),
-            key.stride(0),
-            key.stride(1),
-            key.stride(2),
-            value.stride(0),
-            value.stride(1),
-            value.stride(2),
-            mb,
-            mask.stride(3),
-            out.stride(0),
-            out.stride(2),
-            L=length,
-            MASK=mask_kind,
-            **meta(h, query.dtype, kv, d, dv, {}),
-        )
-        return out
+def _plain(query, key_cache) -> dict:
+    """``hf_zero3::gqa_decode_rope_attention``'s launch: :data:`LAUNCH`, the plain order."""
+    return {}
 
-    return op
+
+def _dependent(query, key_cache) -> dict:
+    """``hf_zero3::gqa_decode_rope_attention_dependent``'s launch: a programmatic dependent launch,
+    which the op launches itself (inductor's call of a ``triton_op`` kernel takes no launch
+    attributes); a CUDA graph captures it as any kernel."""
+    return dict(PDL=True, launch_pdl=True, **_one_wave(query.shape[-3] * key_cache.shape[1], query.device))
 
 
 def _inputs(query, key, value, attention_mask, length: int) -> tuple:
