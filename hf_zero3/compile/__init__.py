@@ -11,8 +11,8 @@
   env ``HF_ZERO3_*``).
 """
 
-from hf_zero3.compile.config import ConfigError, MemoryPlanConfig
-from hf_zero3.compile.planner import (
+from .config import ConfigError, MemoryPlanConfig
+from .planner import (
     BudgetTooSmallError,
     GraphProfile,
     NodeProfile,
@@ -40,7 +40,8 @@ __all__ = [
 
 def __getattr__(name):
     if name in ("apply_memory_plan", "compile_with_memory_plan", "memory_plan_schedule"):
-        from hf_zero3.compile import memory_plan
+        # Lazy: the pass imports torch and the runtime; reading the settings (config) needs neither.
+        from . import memory_plan
 
         return getattr(memory_plan, name)
     raise AttributeError(name)

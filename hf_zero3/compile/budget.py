@@ -21,8 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hf_zero3.compile.config import MemoryPlanConfig
-from hf_zero3.device_memory import MemoryState
+from ..agree import Tag, all_max, all_min
+from ..device_memory import MemoryState
+from .config import MemoryPlanConfig
 
 __all__ = ["MemoryBudget", "compute_budget", "agree_budget"]
 
@@ -63,8 +64,6 @@ def compute_budget(config: MemoryPlanConfig, state: MemoryState, reserved: int =
 
 def agree_budget(local: MemoryBudget, group=None) -> MemoryBudget:
     """The group's tightest budget (one all-reduce): every rank then plans against the same number."""
-    from hf_zero3.agree import Tag, all_max, all_min
-
     lo = all_min([local.budget, local.limit], group, Tag("memory_plan.budget"))
     hi = all_max(
         [local.non_pytorch, local.fragmentation, local.safety, local.reserved], group, Tag("memory_plan.budget")

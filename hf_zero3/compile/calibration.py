@@ -43,8 +43,11 @@ step still reads the whole step.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Sequence
+
+from .planner import plan_persistence
 
 __all__ = ["Decision", "decide", "Calibration"]
 
@@ -60,8 +63,6 @@ class Decision:
     headroom: int = 0  # what prefetches may still add above each graph's profiled peak (room - persisted)
 
     def fingerprint(self) -> int:
-        import hashlib
-
         h = hashlib.blake2b(repr((self.tighten, self.persistent, self.headroom)).encode(), digest_size=8)
         return int.from_bytes(h.digest(), "little") >> 1
 
@@ -88,8 +89,6 @@ def decide(
     beyond what the plan assumed (``planned_fragmentation``) lowers the gate too, and persistent
     bytes must also fit under ``reserved_limit - peak_reserved``. ``candidates``: (ds_id, bytes,
     profiled gather time) of every gathered parameter."""
-    from hf_zero3.compile.planner import plan_persistence
-
     excess = int(peak_fwd_bwd) - int(projected) if projected > 0 else 0
     fragmentation = max(0, int(peak_reserved) - int(max(peak_fwd_bwd, peak_step)))
     tighten = max(0, excess) + max(0, fragmentation - int(planned_fragmentation))

@@ -20,7 +20,7 @@ import re
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Callable, Mapping
 
-from hf_zero3.options import ENVIRONMENT, parse_switch
+from ..options import ENVIRONMENT, parse_switch
 
 __all__ = ["MemoryPlanConfig", "ConfigError", "parse_bytes", "SECTION", "OTHER_ENV"]
 

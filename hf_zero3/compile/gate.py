@@ -26,9 +26,13 @@ import threading
 from typing import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
-from hf_zero3 import _ext
-from hf_zero3.device_memory import MemoryState, read_cuda_memory
+from .. import _ext
+from .. import agree as agreement
+from .._upstream.deepspeed import dc_prefetch_fused
+from .._upstream.torch import mark_side_effectful
+from ..device_memory import MemoryState, read_cuda_memory
 
 __all__ = [
     "decide",
@@ -60,8 +64,6 @@ _DRIFTS: dict[tuple[int, bool], int] = {}  # (graph_id, bwd) -> largest agreed d
 
 
 def _dc_prefetch(graph_id: int, params: list, ids: list) -> None:
-    from hf_zero3._upstream.deepspeed import dc_prefetch_fused
-
     dc_prefetch_fused(graph_id, params, ids)
 
 
@@ -94,20 +96,14 @@ def decide(window_peak: int, launch: Sequence[int]) -> bool:
 def agree_drift(local_drift: int, group=None) -> int:
     """The group's largest drift: one tagged agreement, the only collective the gate adds per launch
     (over the gather group's gloo mirror, :func:`hf_zero3.agree.host_group`)."""
-    from hf_zero3.agree import Tag, all_max
-
-    return all_max([int(local_drift)], group, Tag("gate.launch"))[0]
+    return agreement.all_max([int(local_drift)], group, agreement.Tag("gate.launch"))[0]
 
 
 def host_group(group):
     """The gloo mirror agreements run over (see :func:`hf_zero3.agree.host_group`)."""
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return group
-    from hf_zero3.agree import host_group as mirror
-
-    return mirror(group)
+    return agreement.host_group(group)
 
 
 def set_launch_group(graph_id: int, group, state_fn: Callable[[], "MemoryState"] | None = None) -> None:
@@ -208,8 +204,6 @@ def register_ops() -> None:
             lib.impl("gated_prefetch", lambda *a: None, "Meta")
         # Nothing consumes gated_prefetch's (absent) output: keep FX's and inductor's dead-code
         # elimination from dropping it (both consult _side_effectful_functions).
-        from hf_zero3._upstream.torch import mark_side_effectful
-
         for name in ("agree_launch", "gated_prefetch"):
             mark_side_effectful(getattr(torch.ops.hf_zero3, name).default)
         _LIB = lib

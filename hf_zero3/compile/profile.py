@@ -13,16 +13,16 @@ from dataclasses import replace
 
 from torch.fx import Graph
 
-from hf_zero3.compile.planner import COMPUTE, GATHER, INPUT, OUTPUT, RELEASE, WAIT, GraphProfile, NodeProfile, PlanError
+from .._upstream import deepspeed as ds_up
+from ..agree import Tag, all_equal, all_max
+from .planner import COMPUTE, GATHER, INPUT, OUTPUT, RELEASE, WAIT, GraphProfile, NodeProfile, PlanError
 
 __all__ = ["node_kind", "profile_from_deepcompile", "agree_profile", "profile_complete", "profile_meta_defaults"]
 
 
 def _dc_ops():
-    from hf_zero3._upstream.deepspeed import dc_gather_ops
-
     kinds = {"gather": GATHER, "wait": WAIT, "release": RELEASE}
-    return {op: kinds[kind] for op, kind in dc_gather_ops().items()}
+    return {op: kinds[kind] for op, kind in ds_up.dc_gather_ops().items()}
 
 
 def node_kind(node, ops=None) -> str:
@@ -41,23 +41,17 @@ def _ds_id(node, kind) -> int:
 
 
 def profile_meta_defaults() -> dict:
-    from hf_zero3._upstream.deepspeed import profile_meta_defaults as defaults
-
-    return defaults()
+    return ds_up.profile_meta_defaults()
 
 
 def profile_complete(prof, bwd: bool) -> bool:
-    from hf_zero3._upstream.deepspeed import profile_complete as complete
-
-    return complete(prof, bwd)
+    return ds_up.profile_complete(prof, bwd)
 
 
 def profile_from_deepcompile(graph: Graph, prof, graph_id: int, bwd: bool, ops=None) -> GraphProfile:
     """Join ``graph``'s nodes with ``prof`` (a DeepCompile ``ProfilingResult``) by node name."""
-    from hf_zero3._upstream.deepspeed import profile_fields
-
     ops = ops if ops is not None else _dc_ops()
-    _graph, mem, times, sizes = profile_fields(prof, bwd)
+    _graph, mem, times, sizes = ds_up.profile_fields(prof, bwd)
     if not mem:
         raise PlanError(
             f"graph {graph_id} has no memory profile; DeepCompile did not profile it "
@@ -83,8 +77,6 @@ def profile_from_deepcompile(graph: Graph, prof, graph_id: int, bwd: bool, ops=N
 
 def agree_profile(profile: GraphProfile, group=None) -> GraphProfile:
     """Element-wise maximum of peaks, allocations, sizes and times (ns) over ``group``."""
-    from hf_zero3.agree import Tag, all_equal, all_max
-
     tag = Tag("memory_plan.profile", {"graph": "bwd" if profile.bwd else "fwd"})
     n = len(profile.nodes)
     if not all_equal([n, sum(1 for x in profile.nodes if x.kind == GATHER)], group, tag):
