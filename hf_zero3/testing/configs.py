@@ -19,6 +19,8 @@ STRICT_ZERO3 = {
     "stage3_max_live_parameters": 0,
     "stage3_param_persistence_threshold": 0,
 }
+"""The ``zero_optimization`` section of :func:`strict_zero3_config`: ZeRO-3 with no persistence,
+reuse, prefetch or live-parameter allowance."""
 
 
 def strict_zero3_config(

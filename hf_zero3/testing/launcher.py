@@ -9,7 +9,7 @@ stack, kills what is left and raises :class:`DistributedFailure`, which names ea
 happened to it, where it was, and its last stack.
 
 CPU (gloo) ranks are forked from a fork server that imported torch, DeepSpeed, transformers,
-accelerate, PEFT and TRL once (:mod:`hf_zero3.testing.rank_imports`): every rank is still a fresh
+accelerate, PEFT and TRL once (``hf_zero3/testing/_rank_imports.py``): every rank is still a fresh
 process with its own state, but starts in milliseconds instead of paying those imports again.
 CUDA ranks are spawned (a process that may have touched CUDA must not be forked).
 """
@@ -109,6 +109,7 @@ def mark(state: str) -> None:
 
 
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a process group's rendezvous."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -197,7 +198,7 @@ def _context(method: str):
         )
     ctx = multiprocessing.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(["hf_zero3.testing.rank_imports"])
+        ctx.set_forkserver_preload(["hf_zero3.testing._rank_imports"])
     return ctx
 
 

@@ -1,9 +1,11 @@
-"""Tiny Hugging Face models built in code (nothing downloaded), partitioned like real ones.
+"""Models built in code (nothing downloaded), partitioned like real ones, and a tokenizer to match.
 
-``zero3_model`` builds the model under ``HfDeepSpeedConfig`` so transformers wraps ``__init__``
-in ``deepspeed.zero.Init``: each parameter is partitioned the moment it is created, exactly as
-``from_pretrained`` does for an 8B model. ``unsharded_copy`` gathers those weights into a plain
-model that serves as the single-process reference in tests.
+The configs are tiny ones for CPU tests and real models' sizes (random weights) for GPU tests and
+benchmarks; each takes keyword overrides of its fields. ``zero3_model`` builds a model under
+``HfDeepSpeedConfig`` so transformers wraps ``__init__`` in ``deepspeed.zero.Init``: each parameter
+is partitioned the moment it is created, exactly as ``from_pretrained`` does for an 8B model.
+``unsharded_copy`` gathers those weights into a plain model that serves as the single-process
+reference in tests.
 """
 
 from __future__ import annotations
@@ -17,46 +19,69 @@ import torch
 _LIVE_DS_CONFIGS: list[Any] = []
 
 
-def tiny_llama_config(**overrides):
-    from transformers import LlamaConfig
-
-    kw = dict(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
+def _shape(vocab, hidden, intermediate, layers, heads, kv_heads, positions, **rest) -> dict:
+    """A decoder's sizes, with the ids every config here uses: pad 0, bos 1, eos 2."""
+    return dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=positions,
+        pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
+        **rest,
     )
-    kw.update(overrides)
-    return LlamaConfig(**kw)
+
+
+#        vocab,  hidden, intermediate, layers, heads, kv heads, positions
+_TINY = _shape(96, 32, 64, 2, 4, 2, 256, attn_implementation="eager")
+_SMALL = _shape(32000, 1024, 2816, 4, 16, 8, 1024, attn_implementation="sdpa")
+_LLAMA_1B = _shape(128256, 2048, 8192, 16, 32, 8, 2048, tie_word_embeddings=True, attn_implementation="sdpa")
+_QWEN2_0_5B = _shape(
+    151936, 896, 4864, 24, 14, 2, 32768, rope_theta=1e6, tie_word_embeddings=True, attn_implementation="sdpa"
+)
+
+
+def _config(cls_name: str, shape: dict, overrides: dict):
+    import transformers
+
+    return getattr(transformers, cls_name)(**{**shape, **overrides})
+
+
+def tiny_llama_config(**overrides):
+    """A 2-layer Llama, hidden 32, GQA 4/2 heads, vocab 96, eager attention: the CPU tests' model."""
+    return _config("LlamaConfig", {**_TINY, "tie_word_embeddings": False}, overrides)
 
 
 def tiny_qwen2_config(**overrides):
-    from transformers import Qwen2Config
+    """:func:`tiny_llama_config`'s sizes as a Qwen2 (q/k/v biases, tied embeddings)."""
+    return _config("Qwen2Config", {**_TINY, "tie_word_embeddings": True}, overrides)
 
-    kw = dict(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=True,
-        attn_implementation="eager",
-    )
-    kw.update(overrides)
-    return Qwen2Config(**kw)
+
+def small_llama_config(**overrides):
+    """A 4-layer Llama, hidden 1024, GQA 16/8 heads, vocab 32000, SDPA (112M parameters): large
+    enough for GPU kernels and DeepCompile to behave as on a real model, quick to build."""
+    return _config("LlamaConfig", _SMALL, overrides)
+
+
+def small_qwen2_config(**overrides):
+    """:func:`small_llama_config`'s sizes as a Qwen2."""
+    return _config("Qwen2Config", _SMALL, overrides)
+
+
+def llama_1b_shape_config(**overrides):
+    """Llama-3.2-1B's sizes (hidden 2048, intermediate 8192, 16 layers, GQA 32/8, vocab 128256,
+    tied embeddings), SDPA; random weights once built."""
+    return _config("LlamaConfig", _LLAMA_1B, overrides)
+
+
+def qwen2_0_5b_shape_config(**overrides):
+    """Qwen2.5-0.5B's sizes and RoPE (hidden 896, intermediate 4864, 24 layers, GQA 14/2, vocab
+    151936, tied embeddings, 494M parameters), SDPA; pad/bos/eos are :func:`tiny_tokenizer`'s."""
+    return _config("Qwen2Config", _QWEN2_0_5B, overrides)
 
 
 def tiny_t5_config(**overrides):
@@ -77,6 +102,41 @@ def tiny_t5_config(**overrides):
     )
     kw.update(overrides)
     return T5Config(**kw)
+
+
+_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2: pad, bos, eos
+_MARKUP = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+
+
+def tiny_tokenizer():
+    """A byte-level BPE tokenizer (no merges: 256 bytes plus chat tokens) with Qwen2.5's chat
+    template, for TRL trainers built on a tiny Qwen2.
+
+    ``pad``/``bos``/``eos`` are ``<|endoftext|>``/``<|im_start|>``/``<|im_end|>`` with ids 0/1/2,
+    as in the configs here; ``len(tokenizer)`` is the vocab size a model needs. The chat template is
+    TRL's stored Qwen2.5 template verbatim, which TRL recognises: it adds the Qwen response parser
+    for tool calls and finds the template prefix-preserving. The tool-call markup tokens are plain
+    added tokens, as in Qwen2.5's vocabulary.
+    """
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {tok: i for i, tok in enumerate(_SPECIAL + _MARKUP + alphabet)}
+    backend = Tokenizer(BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(_SPECIAL)
+    backend.add_tokens(_MARKUP)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token=_SPECIAL[0],
+        bos_token=_SPECIAL[1],
+        eos_token=_SPECIAL[2],
+        chat_template=qwen2_5_chat_template,
+    )
 
 
 def model_class_for(config):

@@ -6,8 +6,9 @@ needs (batch sizes, completion length, a few steps, no bf16, no saving or report
 function builds one, trains it and returns plain data, ready for
 ``run_ranks(run_grpo, 2, args=(tmpdir,), init="deepspeed")``.
 
-Nothing is downloaded: :func:`tiny_tokenizer` is a byte-level tokenizer with TRL's Qwen2.5 chat
-template (so TRL recognises it and parses tool calls), and the models are tiny Qwen2s.
+Nothing is downloaded: :func:`~hf_zero3.testing.models.tiny_tokenizer` is a byte-level tokenizer
+with TRL's Qwen2.5 chat template (so TRL recognises it and parses tool calls), and the models are
+tiny Qwen2s.
 
 Ranks are made to diverge on purpose with :class:`RankScript`, a per-rank script that
 :class:`ScriptedQwen2ForCausalLM` adds to every ``generate()`` call as a logits processor (TRL
@@ -29,20 +30,12 @@ from transformers import LogitsProcessor, LogitsProcessorList, Qwen2ForCausalLM,
 from ..runtime import runtime_of
 from . import models
 from .configs import trainer_zero3_config
+from .models import tiny_tokenizer
 from .spy import ForwardCounter
 
 #: The completion rank 0 is forced to produce under ``RankScript("tool")``.
 TOOL_CALL = '<tool_call>{"name":"ping","arguments":{}}</tool_call>'
 
-_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2: pad, bos, eos
-_MARKUP = [
-    "<tool_call>",
-    "</tool_call>",
-    "<tool_response>",
-    "</tool_response>",
-    "<think>",
-    "</think>",
-]  # plain added tokens, as in Qwen2.5's vocabulary
 _PROMPTS = [
     "Say hi.",
     "Count to 3.",
@@ -53,35 +46,6 @@ _PROMPTS = [
     "Say bye.",
     "Name a fruit.",
 ]
-
-
-def tiny_tokenizer():
-    """A byte-level BPE tokenizer (no merges: 256 bytes plus chat tokens) with Qwen2.5's template.
-
-    ``pad``/``bos``/``eos`` are ``<|endoftext|>``/``<|im_start|>``/``<|im_end|>`` with ids 0/1/2,
-    as in :func:`~hf_zero3.testing.models.tiny_qwen2_config`; ``len(tokenizer)`` is the vocab size.
-    The chat template is TRL's stored Qwen2.5 template verbatim, which TRL recognises: it adds the
-    Qwen response parser for tool calls and finds the template prefix-preserving.
-    """
-    from tokenizers import Tokenizer, decoders, pre_tokenizers
-    from tokenizers.models import BPE
-    from transformers import PreTrainedTokenizerFast
-    from trl.chat_template_utils import qwen2_5_chat_template
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {tok: i for i, tok in enumerate(_SPECIAL + _MARKUP + alphabet)}
-    backend = Tokenizer(BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(_SPECIAL)
-    backend.add_tokens(_MARKUP)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        pad_token=_SPECIAL[0],
-        bos_token=_SPECIAL[1],
-        eos_token=_SPECIAL[2],
-        chat_template=qwen2_5_chat_template,
-    )
 
 
 def ping() -> str:

@@ -164,6 +164,7 @@ PUBLIC_MODULES = (
     "hf_zero3.generation",
     "hf_zero3.decode",
     "hf_zero3.errors",
+    "hf_zero3.testing",
 )
 
 
