@@ -3,42 +3,74 @@
 Per graph (forward and backward), after DeepSpeed's ``zero3_compile`` pass has inserted the
 all-gathers and releases and DeepCompile has profiled the result:
 
-1. the profile is agreed across the gather group (:func:`agree_profile`) and so is the budget
-   (:func:`agree_budget`), so every rank plans from identical inputs;
-2. :func:`plan_prefetch` places fused prefetches under the budget; the plan's fingerprint is
-   checked equal on all ranks (a mismatch raises rather than reordering NCCL all-gathers);
-3. the graph gets one ``hf_zero3::agree_launch`` and one ``hf_zero3::gated_prefetch`` per slot;
-4. the plan is then calibrated on real steps (:mod:`hf_zero3.compile.calibration`): prefetches stay
-   at ``match_zero3``'s level for ``calibrate_steps`` steps, whose agreed real peak sets how far the
+1. the profile is agreed across the gather group (:func:`.profile.agree_profile`) and so is the
+   budget (:func:`.budget.agree_budget`), so every rank plans from identical inputs;
+2. :func:`.planner.plan_prefetch` places fused prefetches under the budget; the plan's fingerprint
+   is checked equal on all ranks (a mismatch raises rather than reordering NCCL all-gathers)
+   (:mod:`.graph_plan`);
+3. the graph gets one ``hf_zero3::agree_launch`` and one ``hf_zero3::gated_prefetch`` per slot
+   (:mod:`.gate_control`);
+4. the plan is then calibrated on real steps (:mod:`.calibration`): prefetches stay at
+   ``match_zero3``'s level for ``calibrate_steps`` steps, whose agreed real peak sets how far the
    gate may go and which parameters become persistent (by benefit per byte within what is left);
    every later step's agreed peak keeps the gate below the budget. With ``calibrate_steps=0`` the
    profile is trusted: persistence is chosen on the last backward graph at compile time.
 
-Entry points: :func:`apply_memory_plan` (register the pass on an engine, return the schedule)
-and :func:`compile_with_memory_plan` (that, then ``engine.compile``).
+:class:`MemoryPlanPass` holds one engine's plans and hands each of these steps to its module;
+:mod:`.report` logs and summarises them.
+
+Entry points: :func:`compile_with_memory_plan` (a bare engine: register the pass, compile),
+:func:`apply_memory_plan` (register the pass, return the schedule for ``engine.compile``),
+:func:`memory_plan_schedule` (the schedule alone); accelerate's wrappers
+(:mod:`hf_zero3.accelerate.plugin`) call :func:`apply_memory_plan` where :func:`plan_applies`
+to the settings :func:`engine_plan_config` reads.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from hf_zero3.compile.budget import MemoryBudget, agree_budget, compute_budget
-from hf_zero3.compile.calibration import Calibration, Decision, decide
-from hf_zero3.compile.config import ConfigError, MemoryPlanConfig
-from hf_zero3.compile.planner import (
-    GATHER,
-    GraphProfile,
-    PlanError,
-    PrefetchPlan,
-    check_floor,
-    plan_persistence,
-    plan_prefetch,
+from .._upstream import patches
+from .._upstream.deepspeed import (
+    accumulation_boundary,
+    deepcompile_enabled,
+    deepcompile_supported,
+    engine_is_compiled,
+    engine_zero_stage,
+    gather_release_contract,
+    graph_param_ids,
+    patch_deepcompile_profile_in_allocator_units,
+    pending_optimizer_bytes,
+    register_compile_pass,
+    replace_pending_schedule,
 )
-from hf_zero3.compile.profile import agree_profile, profile_complete, profile_from_deepcompile
+from .._upstream.torch import real_tensors
+from .._upstream.versions import require
+from ..agree import Tag, agree, all_equal, all_max
+from ..errors import Zero3Error
+from ..runtime import runtime_of
+from . import report
+from .budget import MemoryBudget, agree_budget, compute_budget
+from .calibration import Calibration, Decision, decide
+from .config import ConfigError, MemoryPlanConfig
+from .gate import counters, drifts, memory_state, register_ops, reset_drifts
+from .gate_control import rewrite, set_gates
+from .graph_plan import (
+    PlanRecord,
+    agreed_profile,
+    choose_persistent,
+    gathered_params,
+    is_last_backward,
+    persist,
+    persists_at_compile,
+    plan_graph,
+)
+from .planner import PlanError
 
 __all__ = [
     "PASS_NAME",
@@ -57,8 +89,6 @@ ZERO3_PASS = "zero3_compile"
 
 
 def pass_contract():
-    from hf_zero3._upstream.deepspeed import gather_release_contract
-
     # Reorders zero3_compile's all-gathers and sets persistence, as prefetch + selective_gather do.
     return gather_release_contract(frozenset({"prefetch", "selective_gather"}))
 
@@ -71,15 +101,10 @@ def memory_plan_schedule(config: MemoryPlanConfig) -> list:
 
 
 @dataclass
-class PlanRecord:
-    profile: GraphProfile
-    plan: PrefetchPlan
-    budget: MemoryBudget
-
-
-@dataclass
 class MemoryPlanPass:
-    """The pass DeepCompile calls once per graph; holds this compile cycle's plans for reports."""
+    """The pass DeepCompile calls once per graph; holds this compile cycle's plans, shares one
+    planning failure with every rank, and hands planning, calibration, gates and reports each to
+    its module."""
 
     config: MemoryPlanConfig
     engine: object = None
@@ -89,7 +114,7 @@ class MemoryPlanPass:
     read_memory: Callable | None = None  # () -> MemoryState (default: this CUDA device)
     persist_fn: Callable | None = None  # ds_id -> None (default: DeepCompile's set_persistent)
     read_peaks: Callable | None = None  # () -> (fwd/bwd, step, reserved peak), allocator bytes (default: CUDA's)
-    records: dict = field(default_factory=dict)
+    records: dict = field(default_factory=dict)  # (graph_id, bwd) -> PlanRecord
     persistent: tuple = ()
     persistent_bytes: int = 0
     error: Exception | None = None
@@ -100,22 +125,16 @@ class MemoryPlanPass:
             self.calibration = Calibration(self.config.calibrate_steps)
 
     def memory(self):
-        from hf_zero3.compile.gate import memory_state
-
         return (self.read_memory or memory_state)()
 
     def group(self, prof):
         """The engine's own gather group (its runtime's); the profile's only for a pass bound to none."""
         rt = self.runtime
         if rt is None and self.engine is not None:
-            from hf_zero3.runtime import runtime_of
-
             rt = runtime_of(self.engine)
         return rt.group if rt is not None else getattr(prof, "process_group", None)
 
     def budget(self, group) -> MemoryBudget:
-        from hf_zero3._upstream.deepspeed import pending_optimizer_bytes
-
         reserved = pending_optimizer_bytes(self.engine) if self.engine is not None else 0
         return agree_budget(compute_budget(self.config, self.memory(), reserved), group)
 
@@ -125,10 +144,6 @@ class MemoryPlanPass:
         # Everything that can fail on one rank (planning, its agreements, choosing persistence)
         # runs before the graph is touched, and its outcome is agreed: a failure on any rank
         # leaves the graph unplanned on every rank.
-        from hf_zero3._upstream.torch import real_tensors
-        from hf_zero3.agree import Tag, agree
-        from hf_zero3.errors import Zero3Error
-
         self.calibration.planned_since_step = True  # this step's peak includes compiling and profiling
         with real_tensors():  # the agreements below are real collectives
             try:
@@ -155,55 +170,30 @@ class MemoryPlanPass:
         the persistent parameters; None for a graph DeepCompile could not profile. Touches no graph."""
         prof = profiling_results[graph_id]
         group = self.group(prof)
-        if not profile_complete(prof, bwd):  # DeepCompile agrees completeness across ranks
-            log.warning(
-                "hf_zero3 memory plan: graph %s (%s) has an incomplete profile; left unplanned",
-                graph_id,
-                "bwd" if bwd else "fwd",
-            )
+        profile = agreed_profile(prof, graph_id, bwd, group, self.ops)
+        if profile is None:
             return None
-        graph = prof.bwd_graph if bwd else prof.fwd_graph
-        profile = agree_profile(profile_from_deepcompile(graph, prof, graph_id, bwd, ops=self.ops), group)
         budget = self.budget(group)
-        check_floor(profile, budget.limit - budget.safety, budget.reserved)  # raises: no schedule fits
-        plan_budget = budget.budget if self.config.mode == "budget" else min(budget.budget, profile.peak)
-        plan = plan_prefetch(
-            profile, plan_budget, max_fuse_bytes=self.config.max_fuse_bytes, coalesce=self.config.coalesce
-        )
-        from hf_zero3.agree import Tag, all_equal
-
-        if not all_equal([plan.fingerprint(), len(plan.slots)], group, Tag("memory_plan.plan")):
-            raise PlanError(
-                f"hf_zero3 memory plan: ranks built different plans for graph {graph_id} from agreed "
-                f"inputs; refusing to run (the all-gathers would be reordered). Please report this."
-            )
-        self.records[(graph_id, bwd)] = PlanRecord(profile, plan, budget)
+        record = self.records[(graph_id, bwd)] = plan_graph(profile, budget, self.config, group)
         chosen = None
-        if (
-            bwd
-            and self.config.persist
-            and self.config.mode == "budget"
-            and self.config.calibrate_steps == 0
-            and _is_last_backward(graph_id, graph_order)
-        ):
-            chosen = self._choose_persistent(profiling_results, group, budget)
-        return profile, plan, budget, group, chosen
+        if bwd and persists_at_compile(self.config) and is_last_backward(graph_id, graph_order):
+            chosen = choose_persistent(self.records, profiling_results, group, budget, self.memory())
+        return record, group, chosen
 
-    def _apply(self, gm, graph_id, bwd, profile, plan, budget, group, chosen):
-        _rewrite(gm, profile, plan, graph_id, budget.gate_budget, gate=self.config.gate, group=group, bwd=bwd)
+    def _apply(self, gm, graph_id, bwd, record: PlanRecord, group, chosen):
+        rewrite(
+            gm,
+            record.profile,
+            record.plan,
+            graph_id,
+            record.budget.gate_budget,
+            gate=self.config.gate,
+            group=group,
+            bwd=bwd,
+        )
         if self.config.gate:
             self._set_gates()
-        _dump(profile, plan, budget)
-        log.info(
-            "hf_zero3 memory plan graph %s %s: %s; %d of %d gathers prefetched in %d slots, projected peak %.2f GiB",
-            graph_id,
-            "bwd" if bwd else "fwd",
-            budget.describe(),
-            plan.prefetched,
-            len(profile.gathers()),
-            len(plan.slots),
-            plan.peak / 2**30,
-        )
+        report.planned(graph_id, bwd, record)
         if chosen is not None:
             try:  # gm is rewritten already: hand it back whatever happens here
                 self._persist(*chosen, group)
@@ -212,67 +202,12 @@ class MemoryPlanPass:
                 self.error = self.error or exc
         return gm
 
-    def _choose_persistent(self, profiling_results, group, budget: MemoryBudget) -> tuple[tuple, dict]:
-        """(parameter ids to keep gathered, their sizes): agreed, by benefit per byte within what the
-        budget has left over every planned graph's peak."""
-        from hf_zero3._upstream.deepspeed import profile_all_peaks
-        from hf_zero3.agree import Tag, all_equal, all_max
-
-        peaks = [r.plan.peak for r in self.records.values()]
-        for pr in profiling_results.values():  # graphs re-profiled after their plan
-            peaks += profile_all_peaks(pr)
-        now = self.memory()
-        tag = Tag("memory_plan.persist")
-        peak = all_max([max(peaks, default=0), now.allocated], group, tag)  # the allocator's units
-        time_of, size_of = self._gathered_params()
-        chosen = plan_persistence([(d, size_of[d], time_of[d]) for d in sorted(size_of)], max(peak), budget.budget)
-        if not all_equal([len(chosen), hash(chosen) & 0x7FFFFFFFFFFFFFFF], group, tag):
-            raise PlanError("hf_zero3 memory plan: ranks chose different persistent parameters; refusing to run")
-        return chosen, size_of
-
-    def _gathered_params(self) -> tuple[dict, dict]:
-        """(ds_id -> total profiled gather time, ds_id -> gathered bytes) over the planned graphs."""
-        time_of, size_of = {}, {}
-        for rec in self.records.values():
-            for nd in rec.profile.nodes:
-                if nd.kind == GATHER:
-                    time_of[nd.ds_id] = time_of.get(nd.ds_id, 0.0) + nd.time
-                    size_of[nd.ds_id] = nd.nbytes
-        return time_of, size_of
-
     def _persist(self, chosen: tuple, size_of: dict, group=None) -> None:
-        """Keep ``chosen`` gathered. Each ``set_persistent`` is a collective: a rank that could not
-        allocate one mid-way would leave the others in its all-gather, so the group first agrees
-        that every rank can allocate them all (else none persists, on every rank alike)."""
-        from hf_zero3._upstream.deepspeed import deepcompile_handle
-        from hf_zero3.agree import Tag, all_min
+        nbytes = persist(chosen, size_of, group, self.memory, self.persist_fn)
+        if nbytes is not None:
+            self.persistent, self.persistent_bytes = chosen, nbytes
 
-        persist = self.persist_fn or deepcompile_handle().set_persistent
-        if self.persist_fn is None and torch.cuda.is_available():
-            # Persistent buffers carved out of a cached block that a per-step temporary (the
-            # optimizer's fp32 sub-group gradient) reuses every step would leave it no block to fit
-            # in under a cap: hand free segments back first, so they go to fresh segments instead.
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-        need = sum(size_of[d] for d in chosen)
-        (room,) = all_min([self.memory().allocatable - need], group, Tag("memory_plan.persist_fits"))
-        if room < 0:
-            log.warning(
-                "hf_zero3 memory plan: a rank of the group cannot allocate the %.2f GiB chosen to stay "
-                "gathered (short by %.2f GiB); nothing is made persistent",
-                need / 2**30,
-                -room / 2**30,
-            )
-            return
-        for ds_id in chosen:
-            persist(ds_id)
-        self.persistent = chosen
-        self.persistent_bytes = sum(size_of[d] for d in chosen)
-        log.info(
-            "hf_zero3 memory plan: %d parameters persistent (%.2f GiB)", len(chosen), self.persistent_bytes / 2**30
-        )
-
-    # --- calibration (see hf_zero3.compile.calibration) -----------------------------------------
+    # --- calibration (see .calibration) ----------------------------------------------------------
 
     def before_forward(self) -> None:
         """The first training forward after an optimizer step: restart the peak the coming step
@@ -303,8 +238,6 @@ class MemoryPlanPass:
         :attr:`read_peaks` / CUDA's. Steps inside a gradient-accumulation cycle (``boundary``
         False, the same on every rank) are measured with the cycle's last one. Returns the
         calibration's decision on the step that made it."""
-        from hf_zero3.agree import Tag, agree, all_max
-
         cal = self.calibration
         if not self.records:  # agreed: a graph is recorded only when every rank planned it
             if error is not None:
@@ -324,8 +257,6 @@ class MemoryPlanPass:
                 # blocks in partly used segments under a cap): hand unused segments back once.
                 torch.cuda.empty_cache()
             if cal.calibrating:
-                from hf_zero3.compile.gate import reset_drifts
-
                 cal.measured, cal.peak_fwd_bwd, cal.peak_step, cal.peak_reserved = 0, 0, 0, 0
                 reset_drifts()
             return None
@@ -376,8 +307,6 @@ class MemoryPlanPass:
         return decision
 
     def _issued_since_last_step(self) -> bool:
-        from hf_zero3.compile.gate import counters
-
         issued = counters()["issued"]
         fresh, self.calibration.last_issued = issued > self.calibration.last_issued, issued
         return fresh
@@ -385,24 +314,21 @@ class MemoryPlanPass:
     def _decide(self, group, gate_budget: int) -> Decision:
         """The calibration's decision (agreed inputs; its fingerprint checked equal), then acted on:
         gates lowered by the measured excess, parameters made persistent within what is left."""
-        from hf_zero3.agree import Tag, all_equal
-        from hf_zero3.compile.gate import drifts
-
         cal = self.calibration
         seen = drifts()
         projected = max(
             (r.profile.peak + seen[(gid, bwd)] for (gid, bwd), r in self.records.items() if (gid, bwd) in seen),
             default=0,
         )
-        time_of, size_of = self._gathered_params()
-        persist = self.config.persist and self.config.mode == "budget"
+        time_of, size_of = gathered_params(self.records)
+        persists = self.config.persist and self.config.mode == "budget"
         d = decide(
             cal.peak_fwd_bwd,
             cal.peak_step,
             projected,
             gate_budget,
             [(i, size_of[i], time_of[i]) for i in sorted(size_of)],
-            persist,
+            persists,
             peak_reserved=cal.peak_reserved,
             reserved_limit=min(r.budget.limit - r.budget.safety for r in self.records.values()),
             planned_fragmentation=max(r.budget.fragmentation for r in self.records.values()),
@@ -434,120 +360,10 @@ class MemoryPlanPass:
         return d
 
     def _set_gates(self) -> None:
-        """Every planned graph's gate: lowered by ``tighten``, and no higher than its profiled peak plus
-        the calibration's measured headroom (while calibrating: plus nothing)."""
-        from hf_zero3.compile.gate import set_adjust
-
-        cal = self.calibration
-        for key, rec in self.records.items():
-            if cal.decision is None:
-                cap = rec.profile.peak if cal.calibrating and self.config.mode == "budget" else None
-            else:
-                cap = rec.profile.peak + cal.decision.headroom
-            set_adjust(key, cap, cal.tighten)
+        set_gates(self.records, self.calibration, self.config.mode)
 
     def summary(self) -> dict:
-        return {
-            "graphs": len(self.records),
-            "prefetched": sum(r.plan.prefetched for r in self.records.values()),
-            "gathers": sum(len(r.profile.gathers()) for r in self.records.values()),
-            "slots": sum(len(r.plan.slots) for r in self.records.values()),
-            "projected_peak": max((r.plan.peak for r in self.records.values()), default=0),
-            "budget": min((r.budget.budget for r in self.records.values()), default=0),
-            "persistent": len(self.persistent),
-            "persistent_bytes": self.persistent_bytes,
-            "calibrated": self.calibration.decision is not None,
-            "gate_tighten": self.calibration.tighten,
-        }
-
-
-def _dump(profile: GraphProfile, plan: PrefetchPlan, budget: MemoryBudget) -> None:
-    """With HF_ZERO3_PLAN_DUMP=<dir>, rank 0 writes each agreed profile and its plan as JSON."""
-    import json
-    import os
-
-    out = os.environ.get("HF_ZERO3_PLAN_DUMP")
-    if not out or (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0):
-        return
-    os.makedirs(out, exist_ok=True)
-    name = f"graph{len(os.listdir(out)):02d}_{'bwd' if profile.bwd else 'fwd'}.json"
-    with open(os.path.join(out, name), "w") as f:
-        json.dump(
-            {
-                "profile": profile.to_json(),
-                "budget": budget.__dict__,
-                "plan": {
-                    "budget": plan.budget,
-                    "prefetched": plan.prefetched,
-                    "peak": plan.peak,
-                    "slots": [[s.index, list(s.ds_ids), s.nbytes, s.window_peak] for s in plan.slots],
-                },
-            },
-            f,
-        )
-
-
-def _is_last_backward(graph_id, graph_order) -> bool:
-    # Backward runs graphs in reverse: the first forward graph needing backward is the last one.
-    for g, needs_bwd in graph_order:
-        if needs_bwd:
-            return g == graph_id
-    return False
-
-
-def _rewrite(
-    gm,
-    profile: GraphProfile,
-    plan: PrefetchPlan,
-    graph_id: int,
-    gate_budget: int,
-    *,
-    gate: bool,
-    group=None,
-    bwd: bool = False,
-) -> None:
-    """Insert the launch agreement and the gated prefetches before their planned nodes."""
-    if not plan.slots:
-        return
-    from hf_zero3.compile import gate as gate_mod
-
-    nodes = list(gm.graph.nodes)
-    if len(nodes) != len(profile.nodes) or any(n.name != p.name for n, p in zip(nodes, profile.nodes)):
-        raise PlanError(f"graph {graph_id} changed between profiling and planning; cannot place prefetches")
-    launch = None
-    if gate:
-        gate_mod.register_ops()
-        gate_mod.set_launch_group(graph_id, group)
-        first = plan.slots[0]
-        anchor = nodes[first.gather_nodes[0]].args[0]
-        with gm.graph.inserting_before(nodes[first.index]):
-            launch = gm.graph.call_function(
-                torch.ops.hf_zero3.agree_launch.default,
-                (anchor, graph_id, profile.nodes[first.index - 1].alloc, gate_budget, int(bool(bwd))),
-            )
-        _profile_meta(launch)
-    for slot in plan.slots:
-        params = [nodes[u].args[0] for u in slot.gather_nodes]
-        with gm.graph.inserting_before(nodes[slot.index]):
-            if gate:
-                new = gm.graph.call_function(
-                    torch.ops.hf_zero3.gated_prefetch.default,
-                    (graph_id, params, list(slot.ds_ids), slot.nbytes, slot.window_peak, launch),
-                )
-            else:
-                from hf_zero3._upstream.deepspeed import dc_prefetch_op
-
-                new = gm.graph.call_function(dc_prefetch_op(), (graph_id, params, list(slot.ds_ids)))
-        _profile_meta(new)
-    gm.graph.lint()
-
-
-def _profile_meta(node) -> None:
-    # DeepCompile's profiler treats nodes without its metadata keys as unprofiled.
-    from hf_zero3.compile.profile import profile_meta_defaults
-
-    for key, default in profile_meta_defaults().items():
-        node.meta.setdefault(key, default)
+        return report.summary(self.records, self.persistent, self.persistent_bytes, self.calibration)
 
 
 class _Dispatcher:
@@ -571,14 +387,9 @@ class _Dispatcher:
         ]
 
     def add(self, planner: "MemoryPlanPass") -> None:
-        import weakref
-
         self._plans = [r for r in self._plans if r() is not None and r() is not planner] + [weakref.ref(planner)]
 
     def route(self, param_manager, graph_id) -> "MemoryPlanPass | None":
-        from hf_zero3._upstream.deepspeed import graph_param_ids
-        from hf_zero3.runtime import runtime_of
-
         plans = [p for p in (r() for r in self._plans) if p is not None]
         ids = graph_param_ids(param_manager, graph_id) if param_manager is not None else set()
         if ids:
@@ -603,8 +414,6 @@ _DISPATCHER = _Dispatcher()
 def engine_plan_config(engine) -> MemoryPlanConfig:
     """The settings for ``engine``: what accelerate's prepare resolved (kept on its runtime), else its
     DeepSpeed config's ``hf_zero3.memory_plan`` section (and ``HF_ZERO3_*``)."""
-    from hf_zero3.runtime import runtime_of
-
     config = runtime_of(engine).memory_plan_config
     if config is None:
         raw = getattr(engine, "config", None)
@@ -614,23 +423,12 @@ def engine_plan_config(engine) -> MemoryPlanConfig:
 
 def plan_applies(engine, config: MemoryPlanConfig) -> bool:
     """The plan is on and the engine is a ZeRO-3 DeepCompile engine."""
-    from hf_zero3._upstream.deepspeed import deepcompile_enabled, engine_zero_stage
-
     return config.enabled and deepcompile_enabled(engine) and engine_zero_stage(engine) == 3
 
 
 def apply_memory_plan(engine, config: MemoryPlanConfig | None = None) -> tuple[MemoryPlanPass, list]:
     """Bind a memory-plan pass to ``engine`` (its runtime keeps it); returns (pass, schedule for
     ``engine.compile``). Several engines in one process each keep their own plan."""
-    from hf_zero3._upstream.deepspeed import (
-        deepcompile_enabled,
-        deepcompile_supported,
-        engine_zero_stage,
-        register_compile_pass,
-    )
-    from hf_zero3._upstream.versions import require
-    from hf_zero3.runtime import runtime_of
-
     require("core")
     config = config or engine_plan_config(engine)
     ok, why = deepcompile_supported()
@@ -646,9 +444,6 @@ def apply_memory_plan(engine, config: MemoryPlanConfig | None = None) -> tuple[M
     rt = runtime_of(engine)
     planner = MemoryPlanPass(config, engine, runtime=rt)
     register_compile_pass(PASS_NAME, _DISPATCHER, pass_contract())
-    from hf_zero3._upstream import patches
-    from hf_zero3._upstream.deepspeed import patch_deepcompile_profile_in_allocator_units
-
     patches.install("deepcompile_profile_in_allocator_units", patch_deepcompile_profile_in_allocator_units)
     if _DISPATCHER.others(planner):
         log.warning(
@@ -658,8 +453,6 @@ def apply_memory_plan(engine, config: MemoryPlanConfig | None = None) -> tuple[M
             "hf_zero3.eval_forward / Zero3Safe (eager, gathered). Each keeps its own memory plan."
         )
     _DISPATCHER.add(planner)
-    from hf_zero3.compile.gate import register_ops
-
     register_ops()
     rt.memory_plan, rt.memory_plan_config = planner, config
     _raise_plan_errors_from_forward(engine, rt)
@@ -689,8 +482,6 @@ def _raise_plan_errors_from_forward(engine, rt) -> None:
         return
 
     def measured_step(*args, **kwargs):
-        from hf_zero3._upstream.deepspeed import accumulation_boundary
-
         planner = rt.memory_plan
         if planner is None:
             return step(*args, **kwargs)
@@ -713,8 +504,6 @@ def compile_with_memory_plan(
 ) -> MemoryPlanPass:
     """Register the pass and compile ``engine`` with its schedule. On an engine someone already
     compiled (accelerate) but that has not run a compiled step, the schedule is swapped in."""
-    from hf_zero3._upstream.deepspeed import engine_is_compiled, replace_pending_schedule
-
     planner, schedule = apply_memory_plan(engine, config)
     if engine_is_compiled(engine):
         if not replace_pending_schedule(engine, schedule):

@@ -58,7 +58,7 @@ def _gated_graph_rank(agree: bool, drifts: tuple[int, ...]):
     from torch.fx import Interpreter
 
     from hf_zero3.compile import gate
-    from hf_zero3.compile.memory_plan import _rewrite
+    from hf_zero3.compile.gate_control import rewrite
     from hf_zero3.compile.planner import plan_prefetch
     from hf_zero3.compile.profile import agree_profile, profile_from_deepcompile
     from hf_zero3.testing import mark
@@ -75,7 +75,7 @@ def _gated_graph_rank(agree: bool, drifts: tuple[int, ...]):
     solo = [dist.new_group([r]) for r in range(dist.get_world_size())]
     group = None if agree else solo[rank]
     gate.register_ops()
-    _rewrite(rec.gm, profile, plan, graph_id=0, gate_budget=budget, gate=True, group=group)
+    rewrite(rec.gm, profile, plan, graph_id=0, gate_budget=budget, gate=True, group=group)
     first = plan.slots[0]
     ref_alloc = profile.nodes[first.index - 1].alloc
     gate.set_launch_group(0, group, state_fn=lambda: MemoryState(ref_alloc + drifts[rank], 0, 0, 0))
