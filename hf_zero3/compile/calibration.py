@@ -44,12 +44,20 @@ step still reads the whole step.
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
-from .planner import plan_persistence
+import torch
+
+from ..agree import Tag, agree, all_equal, all_max
+from .gate import counters, drifts, reset_drifts
+from .graph_plan import gathered_params
+from .planner import PlanError, plan_persistence
 
 __all__ = ["Decision", "decide", "Calibration"]
+
+log = logging.getLogger("hf_zero3.memory_plan")
 
 
 @dataclass(frozen=True)
@@ -106,7 +114,8 @@ def decide(
 
 @dataclass
 class Calibration:
-    """Per-plan calibration state; :meth:`MemoryPlanPass.after_step` drives it."""
+    """Per-plan calibration state and its steps: :meth:`before_forward` and :meth:`after_step`,
+    which the memory plan's pass calls from the engine's ``forward`` and ``step``."""
 
     steps: int  # training steps to measure before deciding
     measured: int = 0  # steps measured since the last compile that planned
@@ -124,3 +133,132 @@ class Calibration:
     @property
     def calibrating(self) -> bool:
         return self.decision is None and self.steps > 0
+
+    def before_forward(self, planned: bool, device: bool) -> None:
+        """The first training forward after an optimizer step: restart the peak the coming step
+        (all its micro-batches) is measured by (``device``: CUDA's peak statistics)."""
+        if planned and self.reset_pending and device:
+            torch.cuda.reset_peak_memory_stats()
+        self.reset_pending = False
+
+    def after_step(
+        self,
+        records: dict,
+        group,
+        read_peaks: Callable[[], tuple[int, int, int]],
+        *,
+        gate: bool,
+        persist: bool,
+        boundary: bool = True,
+        error: BaseException | None = None,
+        device: bool = False,
+    ) -> Decision | None:
+        """``engine.step`` returned (or raised ``error``, shared here with every rank) on a plan of
+        ``records`` (not empty): agree this optimizer step's peaks, ``read_peaks()`` = (forward/
+        backward, step, reserved), over ``group`` and calibrate or watch. Steps inside a
+        gradient-accumulation cycle (``boundary`` False, the same on every rank) are measured with
+        the cycle's last one. ``device``: the peaks are CUDA's, whose cache may be emptied. Returns
+        the decision on the step that made it; the caller acts on it (gates, persistence)."""
+        if error is not None:
+            if boundary and not self.planned_since_step:  # the others are on their way to this step's agreement
+                agree(Tag("memory_plan.step"), group, [0, 0, 0], error=error)
+            raise error  # no agreement in this step: the others fail at their next collective
+        if not boundary:
+            return None
+        self.reset_pending = True
+        if self.planned_since_step:  # a compile (and DeepCompile's eager profiling) ran in this step
+            self.planned_since_step = False
+            if device:
+                # The profiler's eager runs leave the cache fragmented (GiBs of reserved-but-free
+                # blocks in partly used segments under a cap): hand unused segments back once.
+                torch.cuda.empty_cache()
+            if self.calibrating:
+                self.measured, self.peak_fwd_bwd, self.peak_step, self.peak_reserved = 0, 0, 0, 0
+                reset_drifts()
+            return None
+        peak_fwd_bwd, peak_step, peak_reserved = read_peaks()
+        fb, st, res = all_max(
+            [int(peak_fwd_bwd), int(peak_step), int(peak_reserved or 0)], group, Tag("memory_plan.step")
+        )
+        gate_budget = min(r.budget.gate_budget for r in records.values())
+        issued = self._issued_since_last_step()  # every step, so the flag is this step's
+        decision = None
+        if self.calibrating:
+            self.measured += 1
+            self.peak_fwd_bwd, self.peak_step = max(self.peak_fwd_bwd, fb), max(self.peak_step, st)
+            self.peak_reserved = max(self.peak_reserved, res)
+            if self.measured >= self.steps:
+                decision = self._decide(records, group, gate_budget, persist)
+        elif gate and issued and fb > gate_budget:
+            # Real forward/backward memory went past the budget while prefetches were in flight:
+            # the excess grew by the overshoot; shed prefetches by it (issue counts are agreed).
+            over = fb - gate_budget
+            self.tighten += over
+            if not self.warned:
+                self.warned = True
+                log.warning(
+                    "hf_zero3 memory plan: a step peaked at %.2f GiB, %.2f GiB above the gate budget; "
+                    "prefetches are now gated %.2f GiB lower",
+                    fb / 2**30,
+                    over / 2**30,
+                    self.tighten / 2**30,
+                )
+        limit = max(r.budget.limit for r in records.values())
+        if st > limit and not self.warned:
+            self.warned = True
+            log.warning(
+                "hf_zero3 memory plan: a step peaked at %.2f GiB, above the limit of %.2f GiB, outside what the "
+                "gate controls (optimizer step, loss, reduce buckets)",
+                st / 2**30,
+                limit / 2**30,
+            )
+        self.history.append((fb, st, res, self.tighten))
+        return decision
+
+    def _issued_since_last_step(self) -> bool:
+        issued = counters()["issued"]
+        fresh, self.last_issued = issued > self.last_issued, issued
+        return fresh
+
+    def _decide(self, records: dict, group, gate_budget: int, persist: bool) -> Decision:
+        """The decision from agreed inputs (its fingerprint checked equal): gates lowered by the
+        measured excess, parameters to make persistent within what is left."""
+        seen = drifts()
+        projected = max(
+            (r.profile.peak + seen[(gid, bwd)] for (gid, bwd), r in records.items() if (gid, bwd) in seen),
+            default=0,
+        )
+        time_of, size_of = gathered_params(records)
+        d = decide(
+            self.peak_fwd_bwd,
+            self.peak_step,
+            projected,
+            gate_budget,
+            [(i, size_of[i], time_of[i]) for i in sorted(size_of)],
+            persist,
+            peak_reserved=self.peak_reserved,
+            reserved_limit=min(r.budget.limit - r.budget.safety for r in records.values()),
+            planned_fragmentation=max(r.budget.fragmentation for r in records.values()),
+        )
+        if not all_equal([d.fingerprint(), len(d.persistent)], group, Tag("memory_plan.calibrated")):
+            raise PlanError(
+                "hf_zero3 memory plan: ranks calibrated differently from agreed measurements; refusing "
+                "to run (the all-gathers would be reordered). Please report this."
+            )
+        self.decision, self.tighten = d, d.tighten
+        log.info(
+            "hf_zero3 memory plan calibrated over %d steps: real peak %.2f GiB (forward/backward %.2f GiB, "
+            "projected %.2f GiB: excess %.2f GiB; reserved %.2f GiB), gate budget %.2f GiB; gate lowered by "
+            "%.2f GiB, %d parameters persistent in %.2f GiB of room",
+            self.measured,
+            self.peak_step / 2**30,
+            self.peak_fwd_bwd / 2**30,
+            projected / 2**30,
+            d.excess / 2**30,
+            self.peak_reserved / 2**30,
+            gate_budget / 2**30,
+            d.tighten / 2**30,
+            len(d.persistent),
+            max(d.room, 0) / 2**30,
+        )
+        return d

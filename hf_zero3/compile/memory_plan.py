@@ -51,14 +51,14 @@ from .._upstream.deepspeed import (
 )
 from .._upstream.torch import real_tensors
 from .._upstream.versions import require
-from ..agree import Tag, agree, all_equal, all_max
+from ..agree import Tag, agree
 from ..errors import Zero3Error
 from ..runtime import runtime_of
 from . import report
 from .budget import MemoryBudget, agree_budget, compute_budget
-from .calibration import Calibration, Decision, decide
+from .calibration import Calibration, Decision
 from .config import ConfigError, MemoryPlanConfig
-from .gate import counters, drifts, memory_state, register_ops, reset_drifts
+from .gate import memory_state, register_ops
 from .gate_control import rewrite, set_gates
 from .graph_plan import (
     PlanRecord,
@@ -70,7 +70,6 @@ from .graph_plan import (
     persists_at_compile,
     plan_graph,
 )
-from .planner import PlanError
 
 __all__ = [
     "PASS_NAME",
@@ -207,14 +206,19 @@ class MemoryPlanPass:
         if nbytes is not None:
             self.persistent, self.persistent_bytes = chosen, nbytes
 
+    def _set_gates(self) -> None:
+        set_gates(self.records, self.calibration, self.config.mode)
+
     # --- calibration (see .calibration) ----------------------------------------------------------
+
+    def _cuda_peaks(self) -> bool:
+        """The step's peaks are read from (and reset in) CUDA's statistics."""
+        return self.read_peaks is None and torch.cuda.is_available()
 
     def before_forward(self) -> None:
         """The first training forward after an optimizer step: restart the peak the coming step
         (all its micro-batches) is measured by."""
-        if self.records and self.calibration.reset_pending and self.read_peaks is None and torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
-        self.calibration.reset_pending = False
+        self.calibration.before_forward(bool(self.records), self._cuda_peaks())
 
     def peak_now(self) -> int:
         """This rank's allocated peak since :meth:`before_forward`."""
@@ -223,6 +227,15 @@ class MemoryPlanPass:
     def peaks_now(self) -> tuple[int, int]:
         """(allocated, reserved) peaks since :meth:`before_forward`, in the allocator's units."""
         return torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+
+    def _read_peaks(self, peak_fwd_bwd, peak_step, peak_reserved) -> tuple:
+        """(forward/backward, step, reserved) peaks: those given, else :attr:`read_peaks`' or CUDA's."""
+        if peak_step is not None:
+            return peak_fwd_bwd, peak_step, peak_reserved
+        if self.read_peaks is not None:
+            return self.read_peaks()
+        peak_step, peak_reserved = self.peaks_now()
+        return (peak_step if peak_fwd_bwd is None else peak_fwd_bwd), peak_step, peak_reserved
 
     def after_step(
         self,
@@ -233,134 +246,31 @@ class MemoryPlanPass:
         boundary: bool = True,
         error: BaseException | None = None,
     ) -> Decision | None:
-        """``engine.step`` returned (or raised ``error``, shared here with every rank): agree this
-        optimizer step's peaks over the gather group and calibrate or watch. ``peak_*`` default to
-        :attr:`read_peaks` / CUDA's. Steps inside a gradient-accumulation cycle (``boundary``
-        False, the same on every rank) are measured with the cycle's last one. Returns the
-        calibration's decision on the step that made it."""
-        cal = self.calibration
+        """``engine.step`` returned (or raised ``error``, shared here with every rank): the
+        calibration agrees the step's peaks and calibrates or watches; the gates and persistent
+        parameters follow what it decided. ``peak_*`` default to :attr:`read_peaks` / CUDA's.
+        Returns the calibration's decision on the step that made it."""
         if not self.records:  # agreed: a graph is recorded only when every rank planned it
             if error is not None:
                 raise error
             return None
-        if error is not None:
-            if boundary and not cal.planned_since_step:  # the others are on their way to this step's agreement
-                agree(Tag("memory_plan.step"), self.group(None), [0, 0, 0], error=error)
-            raise error  # no agreement in this step: the others fail at their next collective
-        if not boundary:
-            return None
-        cal.reset_pending = True
-        if cal.planned_since_step:  # a compile (and DeepCompile's eager profiling) ran in this step
-            cal.planned_since_step = False
-            if self.read_peaks is None and torch.cuda.is_available():
-                # The profiler's eager runs leave the cache fragmented (GiBs of reserved-but-free
-                # blocks in partly used segments under a cap): hand unused segments back once.
-                torch.cuda.empty_cache()
-            if cal.calibrating:
-                cal.measured, cal.peak_fwd_bwd, cal.peak_step, cal.peak_reserved = 0, 0, 0, 0
-                reset_drifts()
-            return None
-        if peak_step is None:
-            if self.read_peaks is not None:
-                peak_fwd_bwd, peak_step, peak_reserved = self.read_peaks()
-            else:
-                peak_step, peak_reserved = self.peaks_now()
-                peak_fwd_bwd = peak_step if peak_fwd_bwd is None else peak_fwd_bwd
-        group = self.group(None)
-        fb, st, res = all_max(
-            [int(peak_fwd_bwd), int(peak_step), int(peak_reserved or 0)], group, Tag("memory_plan.step")
+        cal, group = self.calibration, self.group(None)
+        gates = (cal.decision, cal.tighten)
+        decision = cal.after_step(
+            self.records,
+            group,
+            lambda: self._read_peaks(peak_fwd_bwd, peak_step, peak_reserved),
+            gate=self.config.gate,
+            persist=self.config.persist and self.config.mode == "budget",
+            boundary=boundary,
+            error=error,
+            device=self._cuda_peaks(),
         )
-        gate_budget = min(r.budget.gate_budget for r in self.records.values())
-        issued = self._issued_since_last_step()  # every step, so the flag is this step's
-        decision = None
-        if cal.calibrating:
-            cal.measured += 1
-            cal.peak_fwd_bwd, cal.peak_step = max(cal.peak_fwd_bwd, fb), max(cal.peak_step, st)
-            cal.peak_reserved = max(cal.peak_reserved, res)
-            if cal.measured >= cal.steps:
-                decision = self._decide(group, gate_budget)
-        elif self.config.gate and issued and fb > gate_budget:
-            # Real forward/backward memory went past the budget while prefetches were in flight:
-            # the excess grew by the overshoot; shed prefetches by it (issue counts are agreed).
-            over = fb - gate_budget
-            cal.tighten += over
+        if (cal.decision, cal.tighten) != gates:
             self._set_gates()
-            if not cal.warned:
-                cal.warned = True
-                log.warning(
-                    "hf_zero3 memory plan: a step peaked at %.2f GiB, %.2f GiB above the gate budget; "
-                    "prefetches are now gated %.2f GiB lower",
-                    fb / 2**30,
-                    over / 2**30,
-                    cal.tighten / 2**30,
-                )
-        limit = max(r.budget.limit for r in self.records.values())
-        if st > limit and not cal.warned:
-            cal.warned = True
-            log.warning(
-                "hf_zero3 memory plan: a step peaked at %.2f GiB, above the limit of %.2f GiB, outside what the "
-                "gate controls (optimizer step, loss, reduce buckets)",
-                st / 2**30,
-                limit / 2**30,
-            )
-        cal.history.append((fb, st, res, cal.tighten))
+        if decision is not None and decision.persistent:
+            self._persist(decision.persistent, gathered_params(self.records)[1], group)
         return decision
-
-    def _issued_since_last_step(self) -> bool:
-        issued = counters()["issued"]
-        fresh, self.calibration.last_issued = issued > self.calibration.last_issued, issued
-        return fresh
-
-    def _decide(self, group, gate_budget: int) -> Decision:
-        """The calibration's decision (agreed inputs; its fingerprint checked equal), then acted on:
-        gates lowered by the measured excess, parameters made persistent within what is left."""
-        cal = self.calibration
-        seen = drifts()
-        projected = max(
-            (r.profile.peak + seen[(gid, bwd)] for (gid, bwd), r in self.records.items() if (gid, bwd) in seen),
-            default=0,
-        )
-        time_of, size_of = gathered_params(self.records)
-        persists = self.config.persist and self.config.mode == "budget"
-        d = decide(
-            cal.peak_fwd_bwd,
-            cal.peak_step,
-            projected,
-            gate_budget,
-            [(i, size_of[i], time_of[i]) for i in sorted(size_of)],
-            persists,
-            peak_reserved=cal.peak_reserved,
-            reserved_limit=min(r.budget.limit - r.budget.safety for r in self.records.values()),
-            planned_fragmentation=max(r.budget.fragmentation for r in self.records.values()),
-        )
-        if not all_equal([d.fingerprint(), len(d.persistent)], group, Tag("memory_plan.calibrated")):
-            raise PlanError(
-                "hf_zero3 memory plan: ranks calibrated differently from agreed measurements; refusing "
-                "to run (the all-gathers would be reordered). Please report this."
-            )
-        cal.decision, cal.tighten = d, d.tighten
-        self._set_gates()
-        log.info(
-            "hf_zero3 memory plan calibrated over %d steps: real peak %.2f GiB (forward/backward %.2f GiB, "
-            "projected %.2f GiB: excess %.2f GiB; reserved %.2f GiB), gate budget %.2f GiB; gate lowered by "
-            "%.2f GiB, %d parameters persistent in %.2f GiB of room",
-            cal.measured,
-            cal.peak_step / 2**30,
-            cal.peak_fwd_bwd / 2**30,
-            projected / 2**30,
-            d.excess / 2**30,
-            cal.peak_reserved / 2**30,
-            gate_budget / 2**30,
-            d.tighten / 2**30,
-            len(d.persistent),
-            max(d.room, 0) / 2**30,
-        )
-        if d.persistent:
-            self._persist(d.persistent, size_of, group)
-        return d
-
-    def _set_gates(self) -> None:
-        set_gates(self.records, self.calibration, self.config.mode)
 
     def summary(self) -> dict:
         return report.summary(self.records, self.persistent, self.persistent_bytes, self.calibration)
