@@ -4,8 +4,11 @@
   :func:`plan_persistence`.
 * :mod:`.profile` / :mod:`.budget` - DeepCompile's profile and the device budget, each agreed
   across the gather group so every rank plans from the same numbers.
-* :mod:`.memory_plan` - the DeepCompile pass, its schedule, :func:`apply_memory_plan`,
-  :func:`compile_with_memory_plan`.
+* :mod:`.memory_plan` - the DeepCompile pass (a coordinator), its schedule,
+  :func:`apply_memory_plan`, :func:`compile_with_memory_plan`; the pass's parts:
+  :mod:`.graph_plan` (one graph's agreed plan, the persistent parameters), :mod:`.gate_control`
+  (the gate's ops placed in the graph, its budgets set), :mod:`.calibration` (the plan measured on
+  real steps, and what that decides), :mod:`.report` (log, dump, summary).
 * :mod:`.gate` - the run-time gate's ops (native in ``csrc/`` when built, else PyTorch).
 * :mod:`.config` - :class:`MemoryPlanConfig` (DeepSpeed config key ``hf_zero3.memory_plan``,
   env ``HF_ZERO3_*``).
