@@ -11,13 +11,13 @@ tool. ``callbacks=[Zero3Safe()]`` applies ``hf_zero3.trl.apply``: generation run
 stops when every rank's rows have ended, reusing the model TRL already gathered) and a rank whose
 tool loop is over joins the other ranks' extra rounds with a placeholder generation.
 
-With ``--tools`` the model is scripted (``hf_zero3.testing.trl_jobs.RankScript("tool")``) so that
-rank 0's completions call the ``ping`` tool and rank 1's never do: rank 0 runs one more
-generate() per step than rank 1 would, the case that crashes or hangs without Zero3Safe.
+With ``--tools`` the model is scripted (:class:`RankZeroCallsTheTool`) so that rank 0's
+completions call the ``ping`` tool and rank 1's never do: rank 0 runs one more generate() per step
+than rank 1 would, the case that crashes or hangs without Zero3Safe.
 
-Nothing is downloaded: the tokenizer is hf_zero3.testing.trl_jobs' byte-level one with TRL's
-Qwen2.5 chat template, and the model a Qwen2 with random weights built from its config (tiny on
-CPU, Qwen2.5-0.5B's shape on GPU; ``--model`` picks), so rewards and losses mean nothing.
+Nothing is downloaded: the tokenizer is ``hf_zero3.testing.tiny_tokenizer()``, byte-level with
+TRL's Qwen2.5 chat template, and the model a Qwen2 with random weights built from its config (tiny
+on CPU, Qwen2.5-0.5B's shape on GPU; ``--model`` picks), so rewards and losses mean nothing.
 """
 
 from __future__ import annotations
@@ -36,6 +36,11 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".cache", "torc
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+import torch.distributed as dist  # noqa: E402
+from transformers import LogitsProcessor, LogitsProcessorList, Qwen2ForCausalLM  # noqa: E402
+
+from hf_zero3.testing import ForwardCounter  # noqa: E402
+
 PROMPTS = [
     "Say hi.",
     "Count to 3.",
@@ -46,6 +51,68 @@ PROMPTS = [
     "Say bye.",
     "Name a fruit.",
 ]
+
+
+TOOL_CALL = '<tool_call>{"name":"ping","arguments":{}}</tool_call>'
+
+
+def ping() -> str:
+    """Answer with pong."""
+    return "pong"
+
+
+def length_reward(completions, **kwargs) -> list[float]:
+    """Shorter completions score higher."""
+    return [-len(str(c)) / 100.0 for c in completions]
+
+
+class RankZeroCallsTheTool(LogitsProcessor):
+    """Rank 0's rows write :data:`TOOL_CALL` and end, and end at once after the tool's answer; the
+    other ranks' rows can never open a tool call. TRL's tool loop then generates once more on
+    rank 0 than on the others."""
+
+    def __init__(self, tokenizer, prompt_len: int):
+        self.prompt_len, self.rank0 = prompt_len, dist.get_rank() == 0
+        self.eos = tokenizer.eos_token_id
+        self.call = tokenizer(TOOL_CALL, add_special_tokens=False)["input_ids"] + [self.eos]
+        self.call_open = tokenizer.convert_tokens_to_ids("<tool_call>")
+        self.tool_response = tokenizer.convert_tokens_to_ids("<tool_response>")
+        self.plans = None  # per row: the tokens rank 0 writes
+
+    def __call__(self, input_ids, scores):
+        if not self.rank0:
+            scores[:, self.call_open] = float("-inf")
+            return scores
+        if self.plans is None:  # from the first step's rows: they may outnumber the prompts
+            prompts = input_ids[:, : self.prompt_len].tolist()
+            # the post-tool turn (its prompt holds the tool's answer) ends at once
+            self.plans = [[self.eos] if self.tool_response in p else self.call for p in prompts]
+        step = input_ids.shape[1] - self.prompt_len
+        for row, plan in enumerate(self.plans):
+            if step < len(plan):
+                scores[row] = float("-inf")
+                scores[row, plan[step]] = 0.0
+        return scores
+
+
+class CountingQwen2(Qwen2ForCausalLM):
+    """Qwen2 that records the decode forwards of each generate() call (``forwards``) and, with
+    ``tools_tokenizer`` set, adds :class:`RankZeroCallsTheTool` to each call (TRL's configs take
+    no logits processor, so the model carries it)."""
+
+    tools_tokenizer = None
+
+    def generate(self, *args, **kwargs):
+        if self.tools_tokenizer is not None:
+            prompt = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+            script = RankZeroCallsTheTool(self.tools_tokenizer, prompt.shape[1])
+            kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []), script])
+        counter = ForwardCounter(self)
+        try:
+            return super().generate(*args, **kwargs)
+        finally:
+            counter.remove()
+            self.forwards.append(counter.take())
 
 
 def parse_args():
@@ -66,41 +133,15 @@ def parse_args():
     return p.parse_args()
 
 
-def qwen2_config(size: str, tokenizer):
-    from transformers import Qwen2Config
-
-    from hf_zero3.testing import models
-
-    if size == "tiny":
-        return models.tiny_qwen2_config(vocab_size=len(tokenizer), max_position_embeddings=1024)
-    # Qwen2.5-0.5B (494M parameters); the tokenizer's ids 0/1/2 are pad/bos/eos
-    return Qwen2Config(
-        vocab_size=151936,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        max_position_embeddings=32768,
-        rope_theta=1e6,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-
-
 def main():
     args = parse_args()
     cuda = torch.cuda.is_available()
     import deepspeed
-    import torch.distributed as dist
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
     import hf_zero3
-    from hf_zero3.testing import trainer_zero3_config
-    from hf_zero3.testing.trl_jobs import RankScript, ScriptedQwen2ForCausalLM, length_reward, ping, tiny_tokenizer
+    from hf_zero3.testing import qwen2_0_5b_shape_config, tiny_qwen2_config, tiny_tokenizer, trainer_zero3_config
 
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -132,14 +173,17 @@ def main():
     size = args.model if args.model != "auto" else ("0.5b" if cuda else "tiny")
     # built after GRPOConfig: its DeepSpeed config makes transformers partition the model as it
     # is created (deepspeed.zero.Init), as from_pretrained would
+    if size == "tiny":
+        config = tiny_qwen2_config(vocab_size=len(tokenizer), max_position_embeddings=1024)
+    else:  # Qwen2.5-0.5B (494M parameters); the tokenizer's ids 0/1/2 are its pad/bos/eos
+        config = qwen2_0_5b_shape_config()
     torch.manual_seed(0)
-    model = ScriptedQwen2ForCausalLM._from_config(
-        qwen2_config(size, tokenizer), dtype=torch.bfloat16 if cuda else torch.float32
-    )
+    model = CountingQwen2._from_config(config, dtype=torch.bfloat16 if cuda else torch.float32)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.forwards = []
     if args.tools:
-        model.script = RankScript("tool", tokenizer)  # rank 0 calls ping, the others never
+        model.tools_tokenizer = tokenizer  # rank 0 calls ping, the others never
 
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in PROMPTS]})
     trainer = GRPOTrainer(
@@ -153,7 +197,6 @@ def main():
     )
     trainer.train()
 
-    stats = model.generate_stats or {"calls": 0, "forwards": 0, "per_call": []}
     last = hf_zero3.runtime_of(trainer.model).last_generate
     losses = [round(h["loss"], 8) for h in trainer.state.log_history if "loss" in h]
     tool_calls = [h["tools/call_frequency"] for h in trainer.state.log_history if "tools/call_frequency" in h]
@@ -161,14 +204,14 @@ def main():
         if r == rank:
             print(
                 f"[rank {rank}/{world}] model {size} ({sum(p.ds_numel for p in model.parameters()):,} "
-                f"params) generate() calls {stats['calls']}, decode forwards {stats['forwards']} "
-                f"{stats['per_call']}, last gather: {last.gather if last else None}, losses {losses}"
+                f"params) generate() calls {len(model.forwards)}, decode forwards {sum(model.forwards)} "
+                f"{model.forwards}, last gather: {last.gather if last else None}, losses {losses}"
                 + (f", tool call frequency {tool_calls}" if args.tools else ""),
                 flush=True,
             )
         dist.barrier()
     seen = [None] * world
-    dist.all_gather_object(seen, (stats["calls"], stats["per_call"]))
+    dist.all_gather_object(seen, model.forwards)
     if rank == 0:
         same = all(s == seen[0] for s in seen)
         print(
