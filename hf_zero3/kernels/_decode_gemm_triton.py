@@ -12,14 +12,7 @@ are running by then; the next one waits in turn)."""
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def dependent_start(PDL: tl.constexpr):
-    """A programmatic dependent launch's start (nothing without ``PDL``): wait for the kernel
-    before, release the one after."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+from ._common_triton import dependent_start
 
 
 @triton.jit

@@ -1,10 +1,76 @@
-"""The Triton kernels of :mod:`.gqa_decode` (imported only when it builds them).
+"""The Triton kernels of :mod:`.gqa_decode` (imported only when it builds them), and the pieces
+both share: a program per (row, key/value head) holding that head's group of query heads, a cache
+block's mask, the online softmax over a block, the output's store.
 
 At module level, not in a function: inside ``torch.compile`` inductor re-emits a ``triton_op``
 kernel with the Triton functions it calls that it finds among the kernel's module globals."""
 
 import triton
 import triton.language as tl
+
+from ._common_triton import dependent_start
+
+
+@triton.jit
+def program_heads(KV: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """This program's row and key/value head, and the offsets of its query heads within their
+    group, of a key's dims and of a value's."""
+    pid = tl.program_id(0)
+    return pid // KV, pid % KV, tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
+
+
+@triton.jit
+def block_mask(M, s, inside, sms, MASK: tl.constexpr, BLOCK: tl.constexpr):
+    """Which of cache positions ``s`` (those ``inside``) the query attends, and their additive bias,
+    from this row's mask ``M`` of kind ``MASK``: 1 boolean (True where the query attends), 2
+    additive, 0 none."""
+    if MASK == 1:
+        valid = inside & (tl.load(M + s * sms, mask=inside, other=0) != 0)
+        bias = tl.zeros([BLOCK], tl.float32)
+    elif MASK == 2:
+        valid = inside
+        bias = tl.load(M + s * sms, mask=inside, other=0.0).to(tl.float32)
+    else:
+        valid = inside
+        bias = tl.zeros([BLOCK], tl.float32)
+    return valid, bias
+
+
+@triton.jit
+def cache_block(C, s, stride, cols, rows_in, cols_in):
+    """Positions ``s`` of one head's cache (``C``: its position 0), columns ``cols``; zero where a
+    position is not in or a column (``cols_in``: a row of flags) is not."""
+    return tl.load(C + s[:, None] * stride + cols[None, :], mask=rows_in[:, None] & cols_in, other=0.0)
+
+
+@triton.jit
+def online_softmax(q, k, bias, valid, m_i, l_i, scale, PRECISION: tl.constexpr, EMPTY: tl.constexpr):
+    """One block of the online softmax: the scores of ``q`` against the block's keys ``k``, masked
+    and biased, the weights ``p`` and ``alpha`` (what rescales the blocks before), the new running
+    max and sum. ``EMPTY``: a row may have had nothing to attend so far and have nothing in this
+    block (its max still -inf), whose weights are then zeros rather than NaN (a kernel that reads
+    no block without a position to attend needs no such guard)."""
+    # float32 whatever the scale arrives as (inductor passes a Python float as fp64)
+    qk = (tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale).to(tl.float32) + bias[None, :]
+    qk = tl.where(valid[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    if EMPTY:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    p = tl.exp(qk - m_use[:, None])
+    alpha = tl.exp(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    return p, alpha, m_new, l_i
+
+
+@triton.jit
+def store_heads(O, acc, l_i, heads, soh, dv, rows, cols_in):
+    """The output of this program's query ``heads`` (``O``: its row; ``cols_in`` as
+    :func:`cache_block`'s): the weighted values over the softmax's sum (a head that attended
+    nothing: zeros)."""
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(O + heads[:, None] * soh + dv[None, :], out.to(O.dtype.element_ty), mask=rows[:, None] & cols_in)
 
 
 @triton.jit
@@ -39,12 +105,7 @@ def attention_kernel(
     MASK: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    b = pid // KV
-    head = pid % KV
-    g = tl.arange(0, BLOCK_G)
-    dd = tl.arange(0, BLOCK_D)
-    dv = tl.arange(0, BLOCK_DV)
+    b, head, g, dd, dv = program_heads(KV, BLOCK_G, BLOCK_D, BLOCK_DV)
     rows = g < G
     q = tl.load(
         Q + b * sqb + (head * G + g)[:, None] * sqh + dd[None, :], mask=rows[:, None] & (dd[None, :] < D), other=0.0
@@ -55,41 +116,43 @@ def attention_kernel(
     for start in range(0, L, BLOCK):
         s = start + tl.arange(0, BLOCK)
         inside = s < L
-        if MASK == 1:  # boolean: True where the query attends
-            valid = inside & (tl.load(M + b * smb + s * sms, mask=inside, other=0) != 0)
-            bias = tl.zeros([BLOCK], tl.float32)
-        elif MASK == 2:  # additive
-            valid = inside
-            bias = tl.load(M + b * smb + s * sms, mask=inside, other=0.0).to(tl.float32)
-        else:
-            valid = inside
-            bias = tl.zeros([BLOCK], tl.float32)
+        valid, bias = block_mask(M + b * smb, s, inside, sms, MASK, BLOCK)
         if tl.max(valid.to(tl.int32), axis=0) > 0:  # a block with no position to attend is not read
-            k = tl.load(
-                K + b * skb + head * skh + s[:, None] * sks + dd[None, :],
-                mask=valid[:, None] & (dd[None, :] < D),
-                other=0.0,
-            )
-            # float32 whatever the scale arrives as (inductor passes a Python float as fp64)
-            qk = (tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale).to(tl.float32) + bias[None, :]
-            qk = tl.where(valid[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-            p = tl.exp(qk - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(
-                V + b * svb + head * svh + s[:, None] * svs + dv[None, :],
-                mask=valid[:, None] & (dv[None, :] < DV),
-                other=0.0,
-            )
+            k = cache_block(K + b * skb + head * skh, s, sks, dd, valid, dd[None, :] < D)
+            p, alpha, m_new, l_i = online_softmax(q, k, bias, valid, m_i, l_i, scale, PRECISION, False)
+            v = cache_block(V + b * svb + head * svh, s, svs, dv, valid, dv[None, :] < DV)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(
-        O + b * sob + (head * G + g)[:, None] * soh + dv[None, :],
-        out.to(O.dtype.element_ty),
-        mask=rows[:, None] & (dv[None, :] < DV),
-    )
+    store_heads(O + b * sob, acc, l_i, head * G + g, soh, dv, rows, dv[None, :] < DV)
+
+
+@triton.jit
+def rotate_half(x, partner, cos, sin, sign, dtype: tl.constexpr):
+    """transformers' rotary embedding (rotate-half form) of ``x``, ``partner`` its rotate-half
+    partner's values, both float32 sums rounded to ``dtype`` first (as the projection would have
+    returned them); rounded to ``dtype``, as the cache stores it."""
+    x = x.to(dtype).to(tl.float32)
+    partner = partner.to(dtype).to(tl.float32)
+    return (x * cos + sign * partner * sin).to(dtype)
+
+
+@triton.jit
+def write_token(kc, vc, pos, sks, svs, dd, dv, k_new, v_new, in_d, in_dv):
+    """The new token's rotated key and its value into its head's caches (``kc``/``vc``: position 0)
+    at ``pos``."""
+    tl.store(kc + pos * sks + dd, k_new, mask=in_d)
+    tl.store(vc + pos * svs + dv, v_new.to(vc.dtype.element_ty), mask=in_dv)
+
+
+@triton.jit
+def attend(q, kc, vc, bias, valid, m_i, l_i, acc, scale, PRECISION: tl.constexpr):
+    """One cache block into the rope kernel's online softmax. Its keys and values load under the
+    fill count alone, so a masked position's value is zeroed here: whatever it holds (a NaN in
+    padding) never enters."""
+    p, alpha, m_new, l_i = online_softmax(q, kc, bias, valid, m_i, l_i, scale, PRECISION, True)
+    vc = tl.where(valid[:, None], vc, tl.zeros_like(vc))
+    acc = acc * alpha[:, None] + tl.dot(p.to(vc.dtype), vc, input_precision=PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -144,12 +207,7 @@ def rope_attention_kernel(
     # SPLIT > 1: the query, key and value arrive as SPLIT float32 partial sums of their projection
     # (a split-K GEMM's, strides sqp/sknp/svnp apart); summed here and rounded to the cache's
     # dtype, as the projection would have returned them
-    pid = tl.program_id(0)
-    b = pid // KV
-    head = pid % KV
-    g = tl.arange(0, BLOCK_G)
-    dd = tl.arange(0, BLOCK_D)
-    dv = tl.arange(0, BLOCK_DV)
+    b, head, g, dd, dv = program_heads(KV, BLOCK_G, BLOCK_D, BLOCK_DV)
     rows = g < G
     in_d = dd < D
     in_dv = dv < DV
@@ -164,20 +222,11 @@ def rope_attention_kernel(
     if EARLY:
         s0 = tl.arange(0, BLOCK)
         in0 = s0 < tl.minimum(pos, L)
-        kc0 = tl.load(
-            KC + b * skb + head * skh + s0[:, None] * sks + dd[None, :],
-            mask=in0[:, None] & in_d[None, :],
-            other=0.0,
-        )
-        vc0 = tl.load(
-            VC + b * svb + head * svh + s0[:, None] * svs + dv[None, :],
-            mask=in0[:, None] & in_dv[None, :],
-            other=0.0,
-        )
-    if PDL:  # a programmatic dependent launch: wait for the kernel before, release the one after
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    # rotate_half: the first half takes minus the second half's value, the second the first's
+        kc0 = cache_block(KC + b * skb + head * skh, s0, sks, dd, in0, in_d[None, :])
+        vc0 = cache_block(VC + b * svb + head * svh, s0, svs, dv, in0, in_dv[None, :])
+    dependent_start(PDL)
+    # each dim's rotate-half partner and sign: the first half takes minus the second half's value,
+    # the second the first's
     partner = tl.where(dd < D // 2, dd + D // 2, dd - D // 2)
     sign = tl.where(dd < D // 2, -1.0, 1.0)
     cos = tl.load(COS + b * scb + dd, mask=in_d, other=0.0).to(tl.float32)
@@ -199,16 +248,13 @@ def rope_attention_kernel(
         own = tl.load(M + b * smb + pos * sms) != 0
     else:
         own = pos >= 0
-    k = k.to(KC.dtype.element_ty).to(tl.float32)
-    kp = kp.to(KC.dtype.element_ty).to(tl.float32)
+    k_new = rotate_half(k, kp, cos, sin, sign, KC.dtype.element_ty)
     v_new = v_new.to(VC.dtype.element_ty).to(tl.float32)
-    k_new = (k * cos + sign * kp * sin).to(KC.dtype.element_ty)  # rounded as the cache stores it
     if not EARLY:
-        tl.store(KC + b * skb + head * skh + pos * sks + dd, k_new, mask=in_d)
-        tl.store(VC + b * svb + head * svh + pos * svs + dv, v_new.to(VC.dtype.element_ty), mask=in_dv)
-    q = q.to(KC.dtype.element_ty).to(tl.float32)
-    qp = qp.to(KC.dtype.element_ty).to(tl.float32)
-    q = (q * cos[None, :] + sign[None, :] * qp * sin[None, :]).to(KC.dtype.element_ty)
+        write_token(
+            KC + b * skb + head * skh, VC + b * svb + head * svh, pos, sks, svs, dd, dv, k_new, v_new, in_d, in_dv
+        )
+    q = rotate_half(q, qp, cos[None, :], sin[None, :], sign[None, :], KC.dtype.element_ty)
     # the new token's own score from registers (its cache row is written at the end)
     # float32 whatever the scale arrives as (inductor's fp64 would make the loop's state fp64)
     s_new = (tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale).to(tl.float32)
@@ -218,24 +264,8 @@ def rope_attention_kernel(
     l_i = tl.where(own, 1.0, 0.0) + tl.zeros([BLOCK_G], tl.float32)
     acc = tl.where(own, 1.0, 0.0) * v_new.to(tl.float32)[None, :] + tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
     if EARLY:  # the first block, loaded above (nothing of it attended where the cache is empty)
-        if MASK == 2:
-            bias0 = tl.load(M + b * smb + s0 * sms, mask=in0, other=0.0).to(tl.float32)
-        else:
-            bias0 = tl.zeros([BLOCK], tl.float32)
-        if MASK == 1:
-            valid0 = in0 & (tl.load(M + b * smb + s0 * sms, mask=in0, other=0) != 0)
-        else:
-            valid0 = in0
-        qk = (tl.dot(q, tl.trans(kc0), input_precision=PRECISION) * scale).to(tl.float32) + bias0[None, :]
-        qk = tl.where(valid0[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing to attend yet
-        p = tl.exp(qk - m_use[:, None])
-        alpha = tl.exp(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        vc0 = tl.where(valid0[:, None], vc0, tl.zeros_like(vc0))  # a masked position's value never enters
-        acc = acc * alpha[:, None] + tl.dot(p.to(vc0.dtype), vc0, input_precision=PRECISION)
-        m_i = m_new
+        valid0, bias0 = block_mask(M + b * smb, s0, in0, sms, MASK, BLOCK)
+        m_i, l_i, acc = attend(q, kc0, vc0, bias0, valid0, m_i, l_i, acc, scale, PRECISION)
     # the (other) positions filled before this step, block by block up to the fill count (a loop
     # bound read at run time: the unfilled tail is neither read nor computed). Every load of a
     # block (mask, keys, values) waits only for the fill count, none for another, and no branch
@@ -244,41 +274,12 @@ def rope_attention_kernel(
     for start in range(BLOCK if EARLY else 0, tl.minimum(pos, L), BLOCK):
         s = start + tl.arange(0, BLOCK)
         inside = s < pos
-        if MASK == 1:
-            valid = inside & (tl.load(M + b * smb + s * sms, mask=inside, other=0) != 0)
-            bias = tl.zeros([BLOCK], tl.float32)
-        elif MASK == 2:
-            valid = inside
-            bias = tl.load(M + b * smb + s * sms, mask=inside, other=0.0).to(tl.float32)
-        else:
-            valid = inside
-            bias = tl.zeros([BLOCK], tl.float32)
-        kc = tl.load(
-            KC + b * skb + head * skh + s[:, None] * sks + dd[None, :],
-            mask=inside[:, None] & in_d[None, :],
-            other=0.0,
-        )
-        vc = tl.load(
-            VC + b * svb + head * svh + s[:, None] * svs + dv[None, :],
-            mask=inside[:, None] & in_dv[None, :],
-            other=0.0,
-        )
-        qk = (tl.dot(q, tl.trans(kc), input_precision=PRECISION) * scale).to(tl.float32) + bias[None, :]
-        qk = tl.where(valid[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing to attend yet
-        p = tl.exp(qk - m_use[:, None])
-        alpha = tl.exp(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        vc = tl.where(valid[:, None], vc, tl.zeros_like(vc))  # a masked position's value never enters
-        acc = acc * alpha[:, None] + tl.dot(p.to(vc.dtype), vc, input_precision=PRECISION)
-        m_i = m_new
+        valid, bias = block_mask(M + b * smb, s, inside, sms, MASK, BLOCK)
+        kc = cache_block(KC + b * skb + head * skh, s, sks, dd, inside, in_d[None, :])
+        vc = cache_block(VC + b * svb + head * svh, s, svs, dv, inside, in_dv[None, :])
+        m_i, l_i, acc = attend(q, kc, vc, bias, valid, m_i, l_i, acc, scale, PRECISION)
     if EARLY:
-        tl.store(KC + b * skb + head * skh + pos * sks + dd, k_new, mask=in_d)
-        tl.store(VC + b * svb + head * svh + pos * svs + dv, v_new.to(VC.dtype.element_ty), mask=in_dv)
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(
-        O + b * sob + (head * G + g)[:, None] * soh + dv[None, :],
-        out.to(O.dtype.element_ty),
-        mask=rows[:, None] & in_dv[None, :],
-    )
+        write_token(
+            KC + b * skb + head * skh, VC + b * svb + head * svh, pos, sks, svs, dd, dv, k_new, v_new, in_d, in_dv
+        )
+    store_heads(O + b * sob, acc, l_i, head * G + g, soh, dv, rows, in_dv[None, :])
