@@ -1,5 +1,5 @@
-"""Shared benchmark plumbing: the model every benchmark builds, the rank launch (every GPU up to
-2, else CPU), the ratio table each benchmark prints, and the raw-row writer.
+"""Shared benchmark plumbing: the rank launch (every GPU up to 2, else CPU), the ratio table each
+benchmark prints, and the raw-row writer (the models are :mod:`hf_zero3.testing`'s).
 
 Raw rows: every benchmark appends one JSON line per measured row to its results file
 (``benchmarks/<dir>/<name>.jsonl``, or ``$BENCH_RESULTS/<name>.jsonl`` when ``BENCH_RESULTS``
@@ -49,27 +49,6 @@ _COMMAND_PREFIXES = (
 )
 _NOT_COMMAND = ("BENCH_RESULTS",)  # where rows go, not what they measure
 _RUN = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
-
-
-def llama_1b_config(num_hidden_layers: int = 16):
-    """Llama-3.2-1B's shape built in code with random weights (hidden 2048, intermediate 8192, 32
-    heads / 8 KV, vocab 128256, tied embeddings), SDPA attention."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=128256,
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        attn_implementation="sdpa",
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
 
 
 def world_and_backend(max_gpus: int = 2):

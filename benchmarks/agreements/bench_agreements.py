@@ -39,7 +39,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from common import llama_1b_config, load, record, table  # noqa: E402
+from common import load, record, table  # noqa: E402
 
 CALLS = int(os.environ.get("BENCH_AGREE_CALLS", 2000))
 WORLDS = [int(w) for w in os.environ.get("BENCH_AGREE_WORLDS", "2,4,8,16").split(",")]
@@ -176,7 +176,11 @@ def _gpu_times():
 
     cuda = torch.cuda.is_available()
     dtype = torch.bfloat16 if cuda else torch.float32
-    cfg = llama_1b_config() if cuda else models.tiny_llama_config(vocab_size=512, hidden_size=64, intermediate_size=128)
+    cfg = (
+        models.llama_1b_shape_config()
+        if cuda
+        else models.tiny_llama_config(vocab_size=512, hidden_size=64, intermediate_size=128)
+    )
     ds = {
         "train_micro_batch_size_per_gpu": 1,
         "train_batch_size": 1,

@@ -51,7 +51,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from common import llama_1b_config, record, scratch_dir, set_switches, table, world_and_backend  # noqa: E402
+from common import record, scratch_dir, set_switches, table, world_and_backend  # noqa: E402
 
 MAX_NEW = int(os.environ.get("BENCH_MAX_NEW", 128))
 REPS = int(os.environ.get("BENCH_REPS", 5))  # timed calls after the compiling one
@@ -105,7 +105,7 @@ def rank_main(partial: str):
 
     rank = dist.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device())
-    cfg = llama_1b_config()
+    cfg = models.llama_1b_shape_config()
     ds = strict_zero3_config(world_size=dist.get_world_size(), bf16=True)
     model = models.zero3_model(cfg, ds, dtype=torch.bfloat16)
     engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())

@@ -24,7 +24,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from common import llama_1b_config, record, table, world_and_backend  # noqa: E402
+from common import record, table, world_and_backend  # noqa: E402
 
 MAX_NEW = int(os.environ.get("BENCH_MAX_NEW", 64))
 BATCH = int(os.environ.get("BENCH_BATCH", 4))
@@ -65,7 +65,7 @@ def rank_main(small: bool):
     if small:
         cfg = models.tiny_llama_config(vocab_size=512, hidden_size=64, intermediate_size=128)
     else:
-        cfg = llama_1b_config()
+        cfg = models.llama_1b_shape_config()
     dtype = torch.bfloat16 if cuda else torch.float32
     ds = strict_zero3_config(world_size=dist.get_world_size(), bf16=cuda)
     mark("build model")

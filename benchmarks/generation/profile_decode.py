@@ -38,7 +38,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from common import command, environment, llama_1b_config, scratch_dir, set_switches, world_and_backend  # noqa: E402
+from common import command, environment, scratch_dir, set_switches, world_and_backend  # noqa: E402
 
 MAX_NEW, PROMPT = 128, 64
 MODES = os.environ.get("PROFILE_MODES", "default,max-autotune").split(",")
@@ -54,7 +54,7 @@ def rank_main():
     from hf_zero3.testing import mark, models, strict_zero3_config
 
     dev = torch.device("cuda", torch.cuda.current_device())
-    cfg = llama_1b_config()
+    cfg = models.llama_1b_shape_config()
     ds = strict_zero3_config(world_size=1, bf16=True)
     model = models.zero3_model(cfg, ds, dtype=torch.bfloat16)
     engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())

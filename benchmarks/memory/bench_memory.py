@@ -36,7 +36,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from common import llama_1b_config, record, scratch_dir, table, world_and_backend  # noqa: E402
+from common import record, scratch_dir, table, world_and_backend  # noqa: E402
 
 SETTINGS = ("plain", "dc_default", "ours", "ours_match")  # dc_default also yields the zero3-only row
 AXES = ("optim", "build", "ckpt")
@@ -52,7 +52,9 @@ SEQ = 512
 
 
 def model_config():
-    return llama_1b_config(int(os.environ.get("BENCH_LAYERS", 16)))
+    from hf_zero3.testing import llama_1b_shape_config
+
+    return llama_1b_shape_config(num_hidden_layers=int(os.environ.get("BENCH_LAYERS", 16)))
 
 
 def _cell(setting, cap_gib, optim="torch", build="zero_init", ckpt="nonreentrant") -> str:

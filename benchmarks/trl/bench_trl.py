@@ -61,27 +61,37 @@ if set(_asked) - set(SETTINGS) or "trl_default" not in _asked:
     raise SystemExit(f"BENCH_TRL_SETTINGS takes names of {', '.join(SETTINGS)}, trl_default (the baseline) among them")
 
 
+PROMPTS = [
+    "Say hi.",
+    "Count to 3.",
+    "Name a color.",
+    "Add 2 and 2.",
+    "Spell cat.",
+    "Pick a number.",
+    "Say bye.",
+    "Name a fruit.",
+]
+
+
+def _prompts():
+    """The GRPO prompts: conversations TRL formats with the tokenizer's chat template."""
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in PROMPTS]})
+
+
+def length_reward(completions, **kwargs) -> list[float]:
+    """Shorter completions score higher (the rewards are not what is measured)."""
+    return [-len(str(c)) / 100.0 for c in completions]
+
+
 def _config(cuda: bool, vocab: int):
-    from transformers import Qwen2Config
+    from hf_zero3.testing import models
 
     if not cuda:
-        from hf_zero3.testing import models
-
         return models.tiny_qwen2_config(vocab_size=vocab, max_position_embeddings=1024)
-    return Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        attn_implementation="sdpa",
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
+    # the rows' model: Qwen2.5-0.5B's sizes with RoPE base 10000 and 2048 positions
+    return models.qwen2_0_5b_shape_config(vocab_size=vocab, max_position_embeddings=2048, rope_theta=10_000.0)
 
 
 def _eos_at_class():
@@ -178,9 +188,7 @@ def grpo_rank(tmpdir: str):
     from trl import GRPOConfig, GRPOTrainer
 
     import hf_zero3
-    from hf_zero3.testing import mark
-    from hf_zero3.testing.configs import trainer_zero3_config
-    from hf_zero3.testing.trl_jobs import _prompts, length_reward, tiny_tokenizer
+    from hf_zero3.testing import mark, tiny_tokenizer, trainer_zero3_config
 
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
