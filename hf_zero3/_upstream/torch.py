@@ -76,6 +76,13 @@ def dynamo_compile_errors() -> tuple[type, ...]:
     return (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit)
 
 
+def profiler_running() -> bool:
+    """Whether a ``torch.profiler`` (or autograd profiler) records on this thread
+    (``torch._C._autograd._profiler_enabled``): a ``record_function`` opened without one still
+    costs its two operator calls."""
+    return torch._C._autograd._profiler_enabled()
+
+
 # Triton's kernel cache and its autotuning cache key every kernel by the ptxas it compiles with.
 # Inductor points Triton at torch's bundled ptxas (``TRITON_PTXAS_PATH``, from
 # ``_set_triton_ptxas_path`` in ``torch/_inductor/runtime/compile_tasks.py``; torch 2.11's is CUDA

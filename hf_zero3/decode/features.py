@@ -57,7 +57,7 @@ class Feature:
         """Once per call, after the prompt's forward (the static cache's tensors exist)."""
 
     def use(self, loop) -> contextlib.AbstractContextManager:
-        """Around each decode step of ``loop`` (a :class:`~hf_zero3.decode.static_loop` loop)."""
+        """Around each decode step of ``loop`` (a :class:`~hf_zero3.decode.loop._Loop`)."""
         return contextlib.nullcontext()
 
     def after_step(self, cache) -> None:

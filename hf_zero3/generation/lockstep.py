@@ -40,6 +40,7 @@ from .._upstream import transformers as hf_up
 from .._upstream.versions import require
 from ..decode import static_loop
 from ..decode.features import DecodeReport
+from ..decode.stops import LoopOutcome, StopAgreement, StopSchedule
 from ..errors import RankDivergenceError, RankFailure
 from ..gathering import GATHER_MODES, EvalGatherMixin, gathered_forwards, region_facts
 from ..options import DecodeOptions
@@ -197,8 +198,9 @@ class LockstepStats:
     decode_report: DecodeReport = field(default_factory=DecodeReport)  # the parts the static loop computed its way
 
 
-class _Call:
-    """One lockstep ``generate()`` call: its agreements, its gathered region, its loop counters."""
+class _Call(StopAgreement):
+    """One lockstep ``generate()`` call: its agreements, its gathered region, its loop counters;
+    to the static loop, the :class:`~hf_zero3.decode.stops.StopAgreement` it decodes for."""
 
     def __init__(self, model: nn.Module, rt, cfg: LockstepConfig, group):
         self.model, self.rt, self.cfg, self.group = model, rt, cfg, group
@@ -331,41 +333,39 @@ class _Call:
             unfinished, self._seen_unfinished = self._seen_unfinished, unfinished
         return self.agree_step(unfinished)
 
+    def schedule(self) -> StopSchedule:
+        """The schedule :meth:`validated` settled, for the static loop."""
+        return StopSchedule(
+            budget=int(self.budget),
+            every=self.every,
+            fixed=self.cfg.stop == "fixed",
+            late=self.late,
+            joined=self.rt.join is not None,
+        )
+
     def agree_step(self, unfinished: bool) -> bool:
         """The stop agreement on ``unfinished`` as given (tagged with the check's schedule, which
         the call's first agreement made the group's)."""
         (any_unfinished,) = self._agree("generate.step", [1 if unfinished else 0], every=self.every, late=self.late)
         return any_unfinished == 1
 
-    def finish_loop(
-        self,
-        forwards: int,
-        done_at: int | None,
-        *,
-        compiled: bool,
-        graph_steps: int,
-        capture_s: float = 0.0,
-        loop_reused: bool = False,
-        graphs_reused: bool = False,
-        prefill: str | None = None,
-        prefill_reason: str | None = None,
-        report: DecodeReport | None = None,
-    ) -> None:
-        """hf_zero3's static loop ran ``forwards`` forwards (see :mod:`.static_loop`)."""
+    def finish_loop(self, outcome: LoopOutcome) -> None:
+        """hf_zero3's static loop ran ``outcome.forwards`` forwards (see :mod:`.static_loop`)."""
+        done_at = outcome.done_at
         if self.rt.join is not None:
             done_at = 0  # a joining rank's rows are placeholders, done from the start
-        self.stats.forwards = forwards
-        self.stats.extra_forwards = forwards - (done_at if done_at is not None else forwards)
+        self.stats.forwards = outcome.forwards
+        self.stats.extra_forwards = outcome.forwards - (done_at if done_at is not None else outcome.forwards)
         self.stats.loop = "hf_zero3"
-        self.stats.graph_steps = graph_steps
-        self.stats.graph_capture_s = capture_s
-        self.stats.loop_reused = loop_reused
-        self.stats.graphs_reused = graphs_reused
-        self.stats.prefill, self.stats.prefill_reason = prefill, prefill_reason
-        self.stats.decode_report = report if report is not None else DecodeReport()
+        self.stats.graph_steps = outcome.graph_steps
+        self.stats.graph_capture_s = outcome.capture_s
+        self.stats.loop_reused = outcome.loop_reused
+        self.stats.graphs_reused = outcome.graphs_reused
+        self.stats.prefill, self.stats.prefill_reason = outcome.prefill, outcome.prefill_reason
+        self.stats.decode_report = outcome.report if outcome.report is not None else DecodeReport()
         for why in self.stats.decode_report.fallbacks:  # a fenced function: the model's own code runs
-            compiled_decode.say_once(f"the fast decode path keeps the model's own code: {why}", loud=compiled)
-        if not compiled:
+            compiled_decode.say_once(f"the fast decode path keeps the model's own code: {why}", loud=outcome.compiled)
+        if not outcome.compiled:
             self.stats.decode = "eager"
             self.stats.decode_reason = static_loop.failure(self.model)
 

@@ -333,7 +333,9 @@ def test_every_package_exception_is_a_heading():
 #: (file, functions) whose returned / assigned reason strings users see in hf_zero3_last_generate
 REASON_SOURCES = (
     ("generation/compiled_decode.py", ("resolve", "region_allows")),
-    ("decode/static_loop.py", ("unsupported", "step", "_prefill")),
+    ("decode/eligibility.py", ("unsupported",)),
+    ("decode/loop.py", ("step",)),
+    ("decode/prefill.py", ("_prefill",)),
     ("decode/logits_processors.py", ("unsupported",)),
     ("generation/lockstep.py", ("_valid_auto_compile_criteria",)),
 )

@@ -40,10 +40,10 @@ def parts():
 
 
 def test_graphs_are_kept_only_while_the_cache_tensors_are_those_captured(parts):
-    from hf_zero3.decode import static_loop as gd
+    from hf_zero3.decode.loop import _Loop
 
     model, cache, ids, _ = parts
-    loop = gd._Loop(2, 16, ids.device, None, False)
+    loop = _Loop(2, 16, ids.device, None, False)
     loop.cache = cache
     loop.bind_cache()
     loop.graphs[1] = "captured"
@@ -72,10 +72,11 @@ def test_graphs_are_kept_only_while_the_cache_tensors_are_those_captured(parts):
 def test_the_key_follows_parameters_state_hooks_and_processors(parts):
     from transformers.generation.logits_process import TemperatureLogitsWarper
 
-    from hf_zero3.decode import static_loop as gd
+    from hf_zero3.decode import gqa_attention
+    from hf_zero3.decode import loop_cache as gd
 
     model, cache, ids, cfg = parts
-    attention = gd.gqa_attention.choice(model, ids.device, ids.shape[0])  # as _loop_for passes it
+    attention = gqa_attention.choice(model, ids.device, ids.shape[0])  # as _loop_for passes it
     options = DecodeOptions().resolved({})
     procs = [TemperatureLogitsWarper(0.7)]
     key = gd._loop_key(model, ids, procs, cfg, None, cache, attention, options)
@@ -112,7 +113,8 @@ def test_the_key_follows_parameters_state_hooks_and_processors(parts):
 
 
 def test_loops_are_kept_per_shape_replaced_when_stale_and_released(parts):
-    from hf_zero3.decode import static_loop as gd
+    from hf_zero3.decode import loop_cache as gd
+    from hf_zero3.decode.caches import _LOOPS
     from hf_zero3.generation import release_decode_graphs
 
     model, cache, ids, cfg = parts
@@ -121,17 +123,17 @@ def test_loops_are_kept_per_shape_replaced_when_stale_and_released(parts):
     assert not kept and kept_again and again is first
     model.train()  # a state the compiled forward guards on: a new loop replaces the stale one
     other, kept = gd._loop_for(model, ids, [], cfg, None, None, cache, DEFAULTS)
-    assert not kept and other is not first and len(gd._LOOPS[model]) == 1
+    assert not kept and other is not first and len(_LOOPS[model]) == 1
     model.eval()
     for batch in (3, 4, 5):  # other batch sizes: at most KEEP shapes per model
         gd._loop_for(model, ids[:1].expand(batch, -1), [], cfg, None, None, cache, DEFAULTS)
-    assert len(gd._LOOPS[model]) == gd.KEEP
+    assert len(_LOOPS[model]) == gd.KEEP
     release_decode_graphs(model)
-    assert model not in gd._LOOPS
+    assert model not in _LOOPS
 
 
 def test_a_4d_attention_mask_keeps_transformers_loop(parts):
-    from hf_zero3.decode import static_loop as gd
+    from hf_zero3.decode import eligibility as gd
 
     model, cache, ids, cfg = parts
     kwargs = {**hf_up.cache_arguments(cache), "attention_mask": torch.ones(2, 1, 3, 16, dtype=torch.bool)}
@@ -145,7 +147,7 @@ def test_dependent_launches_fall_back_quietly_by_default_and_say_why_when_asked(
     kernels programmatic dependent launches where the GPU can; here (no Hopper GPU) the loop
     launches as usual: silently at the default, with one log line saying why when ``"on"`` asks for
     it. The options are part of what a kept loop is for (another value builds a new loop)."""
-    from hf_zero3.decode import static_loop as gd
+    from hf_zero3.decode import loop_cache as gd
     from hf_zero3.generation import release_decode_graphs
     from hf_zero3.kernels import decode_gemm
 
@@ -172,7 +174,7 @@ def test_dependent_launches_fall_back_quietly_by_default_and_say_why_when_asked(
 def test_each_option_builds_its_own_loop_and_turns_its_part_off(parts):
     """A loop is kept per resolved DecodeOptions; with fuse_qkv, triton_mlp or fuse_rope off the
     loop plans none of that part."""
-    from hf_zero3.decode import static_loop as gd
+    from hf_zero3.decode import loop_cache as gd
     from hf_zero3.generation import release_decode_graphs
 
     model, cache, ids, cfg = parts
@@ -193,7 +195,8 @@ def test_a_compiled_prompt_forward_that_fails_as_it_runs_is_run_eagerly_on_an_em
     cache, with the eager logits and cache, and the reason is kept for the model."""
     from transformers import StaticCache
 
-    from hf_zero3.decode import static_loop as gd
+    from hf_zero3.decode import caches, compiled
+    from hf_zero3.decode.prefill import _prefill
     from hf_zero3.testing import models
 
     model = models.plain_model(models.tiny_llama_config()).eval()
@@ -202,18 +205,18 @@ def test_a_compiled_prompt_forward_that_fails_as_it_runs_is_run_eagerly_on_an_em
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
     ref_cache = StaticCache(config=model.config, max_cache_len=16)
     with torch.no_grad():
-        ref, how = gd._prefill(model, ids, mask, positions, ref_cache, compile=False)
+        ref, how = _prefill(model, ids, mask, positions, ref_cache, compile=False)
     assert how == "eager"
 
     def fails_as_it_runs(model, **kwargs):
         model(**kwargs)  # every layer written, as a compiled forward failing at its end would have
         raise TypeError("expected Tensor() for op: torch.ops.aten._scaled_dot_product_cudnn_attention.default")
 
-    monkeypatch.setitem(gd._ONCE, gd._prompt_logits, fails_as_it_runs)
+    monkeypatch.setitem(caches._ONCE, compiled._prompt_logits, fails_as_it_runs)
     cache = StaticCache(config=model.config, max_cache_len=16)
     with torch.no_grad():
-        logits, how = gd._prefill(model, ids, mask, positions, cache)
-    assert how == "eager" and "failed as it ran (TypeError" in gd._PREFILL_FAILED[model]
+        logits, how = _prefill(model, ids, mask, positions, cache)
+    assert how == "eager" and "failed as it ran (TypeError" in caches._PREFILL_FAILED[model]
     torch.testing.assert_close(logits, ref)
     for layer, expected in zip(cache.layers, ref_cache.layers):
         assert int(layer.cumulative_length) == int(expected.cumulative_length) == ids.shape[1]
@@ -221,4 +224,4 @@ def test_a_compiled_prompt_forward_that_fails_as_it_runs_is_run_eagerly_on_an_em
         torch.testing.assert_close(layer.values, expected.values)
     later = StaticCache(config=model.config, max_cache_len=16)
     with torch.no_grad():  # the model's later calls go straight to the eager prompt forward
-        assert gd._prefill(model, ids, mask, positions, later)[1] == "eager"
+        assert _prefill(model, ids, mask, positions, later)[1] == "eager"

@@ -1,4 +1,4 @@
-"""The static loop's greedy tail (hf_zero3.decode.static_loop): the two-stage argmax is
+"""The static loop's greedy tail (hf_zero3.decode.compiled): the two-stage argmax is
 torch.argmax's token (the first index of the maximum, ties across and within vocabulary chunks
 included), and the compiled tail leaves every loop buffer as the eager one does."""
 
@@ -16,7 +16,7 @@ def _logits(rows: int, vocab: int) -> torch.Tensor:
 
 
 def test_two_stage_argmax_is_torch_argmax():
-    from hf_zero3.decode.static_loop import _argmax_rows
+    from hf_zero3.decode.compiled import _argmax_rows
 
     for vocab in (128256, 32000, 4096, 96, 4099):  # chunks: 32, 8, 2, none, none
         x = _logits(5, vocab)
@@ -26,7 +26,7 @@ def test_two_stage_argmax_is_torch_argmax():
 
 
 def test_compiled_tail_matches_the_eager_tail():
-    from hf_zero3.decode import static_loop as gd
+    from hf_zero3.decode import compiled as gd
 
     def buffers(eos):
         return dict(

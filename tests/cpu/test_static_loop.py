@@ -62,6 +62,13 @@ def _static_loop_batches_rank():
 
     run("eager", decode="eager")
     run("compiled", decode="compiled")
+    # the same call under torch's profiler: the loop's phases are ranges in its trace
+    # (hf_zero3.decode.phases), with the same tokens and graphs as without one
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run("profiled", decode="compiled")
+    out["profiled"]["phases"] = sorted({e.name for e in prof.events() if e.name.startswith("hf_zero3.")})
     # the Triton attention kernel as on a GPU that it pays on (here Triton's interpreter): by
     # default the steps rotate, write the cache and attend in one kernel per layer, the fill counts
     # advanced after the forward; with HF_ZERO3_FUSE_ROPE=0 the model's rotary embedding and cache
@@ -194,6 +201,19 @@ def test_static_loop_left_padded_batch_matches_eager_and_the_reference(batch_res
         assert r["compiled"]["out"] == r["eager"]["out"] == r["reference"]
         assert r["compiled"]["extra"] == r["eager"]["extra"]
     assert batch_results[0]["compiled"]["forwards"] == batch_results[1]["compiled"]["forwards"]
+
+
+def test_a_profiled_call_shows_the_loops_phases_and_decodes_alike(batch_results):
+    """Under a profiler the loop labels its phases (here no CUDA graphs: steps one by one) and
+    decodes as without one: the same tokens, nothing compiled again."""
+    from hf_zero3.decode.phases import PHASES
+
+    every_call = {"decode", "prefill", "loop_lookup", "start", "first_token", "bind", "snapshot", "agree", "step"}
+    for r in batch_results:
+        p = r["profiled"]
+        assert p["loop"] == "hf_zero3" and p["out"] == r["compiled"]["out"] and p["compiles"] == 0, p
+        seen = {name.removeprefix("hf_zero3.") for name in p["phases"]}
+        assert every_call | {"result"} <= seen <= set(PHASES), seen
 
 
 def test_static_loop_samples_the_tokens_eager_sampling_draws(batch_results):

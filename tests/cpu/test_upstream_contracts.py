@@ -351,6 +351,14 @@ def test_dynamo_graph_counter_counts_a_compile():
     assert dynamo_graph_count() == before + 1
 
 
+def test_profiler_running_is_true_inside_a_torch_profiler_only():
+    """The static loop opens its profiler ranges only while this says a profiler records."""
+    assert torch_up.profiler_running() is False
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert torch_up.profiler_running() is True
+    assert torch_up.profiler_running() is False
+
+
 def _trainer_contracts(tmpdir):
     from transformers import TrainerCallback
 
@@ -584,7 +592,7 @@ def test_alignment_asserts_option_is_a_real_inductor_option_and_the_loop_compile
     this torch's, on by default, and the prompt forward's and decode step's compiles pass it."""
     import torch._inductor.config as inductor_config
 
-    from hf_zero3.decode import static_loop
+    from hf_zero3.decode import caches, compiled
 
     options = torch_up.inductor_options_without_alignment_asserts()
     assert options == {"alignment_asserts": False}
@@ -604,12 +612,12 @@ def test_alignment_asserts_option_is_a_real_inductor_option_and_the_loop_compile
 
     try:
         torch.compile = spy
-        static_loop._compiled_once(probe)
-        static_loop._compiled_call(Probe)
+        compiled._compiled_once(probe)
+        compiled._compiled_call(Probe)
     finally:
         torch.compile = real
-        static_loop._ONCE.pop(probe, None)
-        static_loop._COMPILED.pop((Probe, False), None)
+        caches._ONCE.pop(probe, None)
+        caches._COMPILED.pop((Probe, False), None)
     assert seen == [options, options], seen
 
 

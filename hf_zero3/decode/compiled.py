@@ -1,0 +1,137 @@
+"""The functions the static loop compiles, and how: the decode step's forward
+(:func:`_compiled_call`), the prompt's forward (:func:`_prompt_logits`) and the greedy tail
+(:func:`_greedy_tail`), each ``torch.compile(fullgraph=True)`` with inductor's alignment asserts
+off; the errors that say a compile or its code failed; and the TF32 setting they are pinned to.
+The compiled functions themselves are kept in :mod:`.caches`."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+
+from .._upstream import torch as torch_up
+from .caches import _COMPILED, _ONCE, _TF32
+
+_COMPILE_ERRORS = torch_up.dynamo_compile_errors()
+# what a compiled prompt forward raises when its code fails as it runs (inductor's run-time asserts
+# raise AssertionError or TypeError, a backend's kernel RuntimeError); out of memory is re-raised
+_RUN_ERRORS = (RuntimeError, TypeError, AssertionError)
+
+
+def _why(exc: BaseException) -> str:
+    """One line: the error's first line, and Dynamo's own pointer to what it could not trace
+    (its ``Developer debug context``: the function, file or operator) when it gives one."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    why = f"{type(exc).__name__}: {lines[0][:200] if lines else ''}"
+    context = [ln for ln in lines[1:] if ln.startswith("Developer debug context:")]
+    if context:
+        why += f" [{context[0][len('Developer debug context:') :].strip()[:300]}]"
+    frames = (
+        [ln for ln in lines[lines.index("from user code:") + 1 :] if ln.startswith("File ")]
+        if "from user code:" in lines
+        else []
+    )
+    if frames:
+        why += f" at {frames[-1][:200]}"  # the innermost traced line
+    return why
+
+
+def _forward_kwargs(model) -> dict:
+    params = inspect.signature(type(model).forward).parameters
+    return {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+
+
+def _compiled_call(cls, dependent: bool = False):
+    """``cls.__call__`` compiled into one graph (hooks included, as transformers compiles it),
+    once per class: an unbound function holds no model alive. Its graphs guard on the modules'
+    hooks (``_upstream.torch.hook_guards``): a call with other hooks compiles again. ``dependent``:
+    inductor's kernels are programmatic dependent launches (:func:`.features.dependent_launches`)."""
+    fn = _COMPILED.get((cls, dependent))
+    if fn is None:
+        options = torch_up.inductor_options_without_alignment_asserts()
+        if dependent:
+            options.update(torch_up.inductor_dependent_launch_options())
+        compiled = torch.compile(cls.__call__, fullgraph=True, **({"options": options} if options else {}))
+
+        def fn(model, **kwargs):
+            with torch_up.hook_guards():
+                return compiled(model, **kwargs)
+
+        _COMPILED[(cls, dependent)] = fn
+    return fn
+
+
+def _prompt_logits(model, **kwargs):
+    """The prompt's forward, to the last position's logits. Its own function, so Dynamo keeps its
+    graphs (one per batch size, the prompt length dynamic) apart from the decode step's: the step
+    compiles ``Module.__call__``, whose code object (and recompile limit, and automatic-dynamic
+    record) would otherwise be shared, and a prompt's length would turn the step's shapes dynamic."""
+    return model(**kwargs).logits[:, -1]
+
+
+def _compiled_once(fn):
+    """``fn`` compiled into one graph, built once per process (:func:`_prompt_logits`,
+    :func:`_greedy_tail`: their own code objects, so their own Dynamo caches). Inductor's default
+    Python wrapper: a C++ wrapper for the prompt forward gave no gain and a slower first compile
+    (see the ablations in benchmarks/RESULTS.md)."""
+    compiled = _ONCE.get(fn)
+    if compiled is None:
+        options = torch_up.inductor_options_without_alignment_asserts()
+        compiled = _ONCE[fn] = torch.compile(fn, fullgraph=True, **({"options": options} if options else {}))
+    return compiled
+
+
+def _record_token(nxt, unfinished, pad, eos, out, idx, own, alive, tok, pos) -> None:
+    """After a step's token choice, in place on the loop's buffers: EOS masking, the token written
+    out, the row and "any row alive" flags, the next input token and its position."""
+    if eos is not None:
+        nxt = torch.where(unfinished, nxt, pad)
+    out.index_copy_(1, idx, nxt.view(-1, 1))
+    if eos is not None:
+        unfinished &= ~torch.isin(nxt, eos)
+    unfinished &= idx + 1 < own  # token idx + 1 reached this rank's max_length
+    alive.index_copy_(0, idx, unfinished.any().view(1))
+    tok.copy_(nxt)
+    idx.add_(1)
+    pos.add_(1)
+
+
+def _argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``torch.argmax(logits, -1)`` (the first index of the maximum) in two stages: the maximum of
+    each of ``split`` equal chunks of the vocabulary, then the first chunk holding the row's
+    maximum. Inductor does not split an argmax reduction, and one program per row over a 128k
+    vocabulary leaves most of the GPU idle; chunks give it a program per (row, chunk)."""
+    b, v = logits.shape
+    split = next((s for s in (32, 16, 8, 4, 2) if v % s == 0 and v // s >= 2048), 1)
+    if split == 1:
+        return torch.argmax(logits, dim=-1)
+    width = v // split
+    best, where = logits.reshape(b, split, width).max(dim=-1)  # first maximum within each chunk
+    chunk = torch.argmax(best, dim=-1)  # the first chunk with the row's maximum
+    return chunk * width + where.gather(1, chunk[:, None]).squeeze(1)
+
+
+def _greedy_tail(logits, *buffers) -> None:
+    """A greedy step after the forward: the argmax of the model's logits (that of their float32
+    copy, ties to the first index) and :func:`_record_token`. Compiled: one reduction and one
+    pointwise kernel instead of about ten launches per step (an eager bf16 argmax over the
+    vocabulary alone is a sizeable part of a decode step)."""
+    _record_token(_argmax_rows(logits), *buffers)
+
+
+@contextlib.contextmanager
+def _tf32_pinned():
+    """TF32 matmuls on or off as in the process's first static-loop call, for this call. Dynamo
+    guards a compiled function on that global setting, and a trainer that flips it between
+    rollouts (GRPO under DeepCompile did) recompiled the prompt forward and the decode step at the
+    next rollout (~25 s each at a 0.5B shape); with the setting pinned they keep one graph."""
+    now = torch.backends.cuda.matmul.allow_tf32
+    if not _TF32:
+        _TF32.append(now)
+    torch.backends.cuda.matmul.allow_tf32 = _TF32[0]
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = now

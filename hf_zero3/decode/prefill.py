@@ -1,0 +1,82 @@
+"""The prompt's side of a static-loop call: its padding mask and positions, the EOS ids its
+stopping criteria name, and its forward into the static cache (compiled, the prompt length
+dynamic, else eager), queued before the loop is looked up so that host work overlaps it."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .._upstream import deepspeed as ds_up
+from .._upstream import torch as torch_up
+from .._upstream import transformers as hf_up
+from .caches import _PREFILL_FAILED
+from .compiled import _COMPILE_ERRORS, _RUN_ERRORS, _compiled_once, _forward_kwargs, _prompt_logits, _why
+
+log = logging.getLogger("hf_zero3.generation")
+
+
+def _prompt_inputs(input_ids, model_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompt's padding mask (long) and positions: the caller's, or transformers' from the mask."""
+    mask = model_kwargs.get("attention_mask")
+    mask = torch.ones_like(input_ids) if mask is None else mask.to(torch.long)
+    positions = model_kwargs.get("position_ids")
+    if positions is None:
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    return mask, positions.expand(input_ids.shape[0], -1)
+
+
+def _prefill(model, input_ids, mask, positions, cache, compile: bool = True) -> tuple[torch.Tensor, str]:
+    """The prompt's forward into the static cache: (its last position's logits, "compiled" or
+    "eager"). Compiled (``_prompt_logits``) with the prompt length dynamic, so prompts of any
+    length share one graph per batch size, and with the decode steps' hook suspensions; eager as
+    transformers runs it, without DeepSpeed's per-linear autograd Function under ``no_grad``, where
+    it does not compile or its compiled code fails as it runs (the reason kept per model, one log
+    line) or without ``compile`` (:attr:`~hf_zero3.options.DecodeOptions.compile_prefill`).
+    Compilation fails before any kernel runs, so the eager forward after it starts clean; after a
+    run-time failure the static cache is emptied first."""
+    kwargs = dict(
+        input_ids=input_ids,
+        attention_mask=mask,
+        position_ids=positions,
+        use_cache=True,
+        **hf_up.cache_arguments(cache),
+        **_forward_kwargs(model),
+    )
+    if compile and model not in _PREFILL_FAILED:
+        dims = {}
+        for name in ("input_ids", "attention_mask", "position_ids"):
+            # contiguous (a sliced prompt's row stride is not its length: Dynamo would guard on
+            # that and compile again) and a new view, so the mark stays off the caller's tensor
+            t = kwargs[name].contiguous().view(kwargs[name].shape)
+            if t.shape[1] > 1:
+                torch_up.mark_dynamic_if_possible(t, 1)
+            dims[name] = t
+        try:
+            with (
+                hf_up.input_grad_hooks_suspended(model),
+                ds_up.engine_forward_hooks_suspended(model),
+                torch_up.hook_guards(),
+            ):
+                return _compiled_once(_prompt_logits)(model, **{**kwargs, **dims}), "compiled"
+        except _COMPILE_ERRORS as exc:
+            _PREFILL_FAILED[model] = why = f"the prompt's forward does not compile into one graph ({_why(exc)})"
+            log.warning("hf_zero3 lockstep: eager prefill: %s", why)
+        except torch.OutOfMemoryError:
+            raise
+        except _RUN_ERRORS as exc:
+            # the compiled code failed as it ran (a backend's kernel or one of inductor's run-time
+            # asserts): the eager forward computes the same logits; local, as a prefill gathers nothing
+            _PREFILL_FAILED[model] = why = f"the compiled prompt forward failed as it ran ({_why(exc)})"
+            log.warning("hf_zero3 lockstep: eager prefill: %s", why)
+            cache.reset()  # the layers it wrote before failing start again from an empty cache
+    with ds_up.zero3_linear_without_autograd():
+        return model(**kwargs).logits[:, -1], "eager"
+
+
+def _eos_ids(stopping_criteria, device) -> torch.Tensor | None:
+    ids = [c.eos_token_id for c in stopping_criteria or () if hasattr(c, "eos_token_id")]
+    if not ids:
+        return None
+    return torch.cat([torch.as_tensor(i, device=device).flatten() for i in ids]).to(torch.long)
