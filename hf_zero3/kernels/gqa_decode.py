@@ -151,11 +151,28 @@ def _meta(heads: int, dtype, key_heads: int, d: int, dv: int, launch: dict) -> d
     )
 
 
-def _strides(key, value, mask, out) -> tuple:
-    """The strides both kernels take last: the key and value caches' (row, head, position), the
-    mask's (row: 0 where one mask row serves every row; position), the output's (row, head)."""
-    mb = mask.stride(0) if mask.shape[0] == out.shape[0] else 0
-    return (*key.stride()[:3], *value.stride()[:3], mb, mask.stride(3), out.stride(0), out.stride(2))
+def _launch(name: str, args: tuple, query, key, value, mask, mask_kind: int, out, dtype, launch: dict, **constexprs):
+    """Launch kernel ``name`` into ``out`` (rows, 1, heads, value dim), one program per (row,
+    key/value head): ``args``, the kernel's own leading arguments, then what both kernels take last:
+    the strides of the key and value caches, of the mask (0 between rows where one mask row serves
+    every row) and of the output, and the constexprs (``dtype``: the one the dots compute in)."""
+    b, _, h, dv = out.shape
+    kv = key.shape[1]
+    mb = mask.stride(0) if mask.shape[0] == b else 0
+    _state["launch"][name][(b * kv,)](
+        *args,
+        *key.stride()[:3],
+        *value.stride()[:3],
+        mb,
+        mask.stride(3),
+        out.stride(0),
+        out.stride(2),
+        L=key.shape[2],
+        MASK=mask_kind,
+        **constexprs,
+        **_meta(h, dtype, kv, query.shape[-1], dv, launch),
+    )
+    return out
 
 
 def _parts(t) -> tuple:
@@ -170,26 +187,10 @@ def _out_like(query, key, value, mask, mask_kind, scale):
 def _attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, mask_kind: int, scale: float
 ) -> torch.Tensor:
-    """The body of ``hf_zero3::gqa_decode_attention``: one program per (row, key/value head)."""
-    b, h, _, d = query.shape
-    kv, length = key.shape[1], key.shape[2]
-    dv = value.shape[-1]
-    out = torch.empty(b, 1, h, dv, dtype=query.dtype, device=query.device)
-    _state["launch"]["attention"][(b * kv,)](
-        query,
-        key,
-        value,
-        mask,
-        out,
-        scale,
-        query.stride(0),
-        query.stride(1),
-        *_strides(key, value, mask, out),
-        L=length,
-        MASK=mask_kind,
-        **_meta(h, query.dtype, kv, d, dv, {}),
-    )
-    return out
+    """The body of ``hf_zero3::gqa_decode_attention``."""
+    out = torch.empty(query.shape[0], 1, query.shape[1], value.shape[-1], dtype=query.dtype, device=query.device)
+    args = (query, key, value, mask, out, scale, query.stride(0), query.stride(1))
+    return _launch("attention", args, query, key, value, mask, mask_kind, out, query.dtype, {})
 
 
 def _rope_out(query, key, value, cos, sin, key_cache, value_cache, position, mask, mask_kind, scale):
@@ -197,39 +198,19 @@ def _rope_out(query, key, value, cos, sin, key_cache, value_cache, position, mas
 
 
 def _rope_run(query, key, value, cos, sin, key_cache, value_cache, position, mask, mask_kind, scale, **launch):
-    """Launch the rope kernel, one program per (row, key/value head); ``launch``: settings over
-    :data:`LAUNCH` and the kernel's ``PDL`` and ``EARLY`` (by default a dependent launch's order
-    where ``PDL``; see the kernel)."""
+    """Launch the rope kernel; ``launch``: settings over :data:`LAUNCH` and the kernel's ``PDL`` and
+    ``EARLY`` (by default a dependent launch's order where ``PDL``; see the kernel)."""
     launch = {"PDL": False, **launch}
     launch.setdefault("EARLY", launch["PDL"])
-    b, h, d = query.shape[-3:]
-    kv, length = key_cache.shape[1], key_cache.shape[2]
-    dv = value_cache.shape[-1]
-    out = torch.empty(b, 1, h, dv, dtype=value_cache.dtype, device=query.device)
-    _state["launch"]["rope"][(b * kv,)](
-        query,
-        key,
-        value,
-        cos,
-        sin,
-        key_cache,
-        value_cache,
-        position,
-        mask,
-        out,
-        scale,
-        *_parts(query),
-        *_parts(key),
-        *_parts(value),
-        cos.stride(0) if cos.shape[0] == b else 0,
-        sin.stride(0) if sin.shape[0] == b else 0,
-        *_strides(key_cache, value_cache, mask, out),
-        L=length,
-        MASK=mask_kind,
-        SPLIT=query.shape[0] if query.dim() == 4 else 1,
-        **_meta(h, key_cache.dtype, kv, d, dv, launch),
+    b, h = query.shape[-3:-1]
+    out = torch.empty(b, 1, h, value_cache.shape[-1], dtype=value_cache.dtype, device=query.device)
+    args = (query, key, value, cos, sin, key_cache, value_cache, position, mask, out, scale)
+    args += (*_parts(query), *_parts(key), *_parts(value))
+    args += (cos.stride(0) if cos.shape[0] == b else 0, sin.stride(0) if sin.shape[0] == b else 0)
+    split = query.shape[0] if query.dim() == 4 else 1
+    return _launch(
+        "rope", args, query, key_cache, value_cache, mask, mask_kind, out, key_cache.dtype, launch, SPLIT=split
     )
-    return out
 
 
 def _rope_body(settings):
