@@ -43,7 +43,7 @@ class MemoryState:
 
 def read_cuda_memory(device: int | torch.device | None = None) -> MemoryState:
     """``device``'s memory through ``torch.cuda`` (None: the current device)."""
-    from hf_zero3._upstream.torch import cuda_memory_fraction
+    from ._upstream.torch import cuda_memory_fraction
 
     if device is None:
         device = torch.cuda.current_device()

@@ -27,8 +27,8 @@ from typing import Any
 
 from accelerate.utils import DeepSpeedPlugin
 
-from hf_zero3._upstream import patches
-from hf_zero3.compile.config import SECTION, ConfigError, MemoryPlanConfig
+from .._upstream import patches
+from ..compile.config import SECTION, ConfigError, MemoryPlanConfig
 
 __all__ = [
     "Zero3DeepSpeedPlugin",
@@ -64,7 +64,7 @@ def wants_memory_plan(ds_config: dict) -> bool:
 
 def _default_schedule(engine):
     """The memory plan's schedule for a ZeRO-3 DeepCompile engine that asks for it, else None."""
-    from hf_zero3.compile.memory_plan import apply_memory_plan, engine_plan_config, plan_applies
+    from ..compile.memory_plan import apply_memory_plan, engine_plan_config, plan_applies
 
     config = engine_plan_config(engine)
     if not plan_applies(engine, config):
@@ -83,8 +83,8 @@ def _before_prepare(accelerator) -> MemoryPlanConfig | None:
 
 
 def _after_prepare(accelerator, engine, config: MemoryPlanConfig | None) -> None:
-    from hf_zero3.compile.memory_plan import plan_applies
-    from hf_zero3.runtime import runtime_of
+    from ..compile.memory_plan import plan_applies
+    from ..runtime import runtime_of
 
     if config is None:
         return
@@ -100,8 +100,8 @@ def _after_prepare(accelerator, engine, config: MemoryPlanConfig | None) -> None
 def enable_memory_plan() -> None:
     """Install the two wrappers (idempotent). The plan itself is then configured per run by the
     DeepSpeed config's ``hf_zero3.memory_plan`` section (or ``HF_ZERO3_*``)."""
-    from hf_zero3._upstream import accelerate as acc_up
-    from hf_zero3._upstream.versions import require
+    from .._upstream import accelerate as acc_up
+    from .._upstream.versions import require
 
     require("core")
     patches.install(PATCHES[0], lambda: acc_up.patch_deepspeed_compile_default_schedule(_default_schedule))
