@@ -3,7 +3,9 @@ both share: a program per (row, key/value head) holding that head's group of que
 block's mask, the online softmax over a block, the output's store.
 
 At module level, not in a function: inside ``torch.compile`` inductor re-emits a ``triton_op``
-kernel with the Triton functions it calls that it finds among the kernel's module globals."""
+kernel with the Triton functions it calls that it finds among the kernel's module globals. The
+kernels' parameters stand in groups, a line each (``# fmt: skip`` keeps them so): pointers, the
+inputs' strides, those of the caches, mask and output, constexprs."""
 
 import triton
 import triton.language as tl
@@ -75,36 +77,14 @@ def store_heads(O, acc, l_i, heads, soh, dv, rows, cols_in):
 
 @triton.jit
 def attention_kernel(
-    Q,
-    K,
-    V,
-    M,
-    O,
-    scale,
-    sqb,
-    sqh,
-    skb,
-    skh,
-    sks,
-    svb,
-    svh,
-    svs,
-    smb,
-    sms,
-    sob,
-    soh,
-    L: tl.constexpr,
-    KV: tl.constexpr,
-    G: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    DV: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    BLOCK: tl.constexpr,
-    MASK: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+    Q, K, V, M, O, scale,
+    sqb, sqh,
+    skb, skh, sks, svb, svh, svs, smb, sms, sob, soh,
+    L: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Decode attention over the cache's ``L`` positions, block by block (the online softmax); a
+    block the mask attends none of is not read."""
     b, head, g, dd, dv = program_heads(KV, BLOCK_G, BLOCK_D, BLOCK_DV)
     rows = g < G
     q = tl.load(
@@ -157,53 +137,15 @@ def attend(q, kc, vc, bias, valid, m_i, l_i, acc, scale, PRECISION: tl.constexpr
 
 @triton.jit
 def rope_attention_kernel(
-    Q,
-    KN,
-    VN,
-    COS,
-    SIN,
-    KC,
-    VC,
-    P,
-    M,
-    O,
-    scale,
-    sqp,
-    sqb,
-    sqh,
-    sknp,
-    sknb,
-    sknh,
-    svnp,
-    svnb,
-    svnh,
-    scb,
-    ssb,
-    skb,
-    skh,
-    sks,
-    svb,
-    svh,
-    svs,
-    smb,
-    sms,
-    sob,
-    soh,
-    L: tl.constexpr,
-    KV: tl.constexpr,
-    G: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    DV: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    BLOCK: tl.constexpr,
-    MASK: tl.constexpr,
-    PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
-    SPLIT: tl.constexpr,
-    EARLY: tl.constexpr,
-):
+    Q, KN, VN, COS, SIN, KC, VC, P, M, O, scale,
+    sqp, sqb, sqh, sknp, sknb, sknh, svnp, svnb, svnh, scb, ssb,
+    skb, skh, sks, svb, svh, svs, smb, sms, sob, soh,
+    L: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr,
+    PDL: tl.constexpr, SPLIT: tl.constexpr, EARLY: tl.constexpr,
+):  # fmt: skip
+    """:func:`.gqa_decode.rope_decode_attention`'s kernel: the new token's rotary embedding and cache
+    write, its own score from registers, then the cache's positions before it."""
     # SPLIT > 1: the query, key and value arrive as SPLIT float32 partial sums of their projection
     # (a split-K GEMM's, strides sqp/sknp/svnp apart); summed here and rounded to the cache's
     # dtype, as the projection would have returned them

@@ -55,39 +55,20 @@ DEFAULT = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
 CONFIGS = [
     dict(BLOCK_N=bn, BLOCK_K=bk, num_stages=st, num_warps=w)
     for bn, bk, st, w in [
-        (16, 128, 4, 4),
-        (16, 256, 3, 4),
-        (32, 128, 4, 4),
-        (32, 256, 3, 4),
-        (32, 128, 5, 4),
-        (64, 128, 4, 4),
-        (64, 64, 5, 4),
-        (32, 128, 4, 8),
-        (16, 512, 2, 4),
-        (64, 128, 3, 4),
-        (64, 64, 4, 8),
-        (128, 64, 4, 8),
+        (16, 128, 4, 4), (16, 256, 3, 4), (32, 128, 4, 4), (32, 256, 3, 4), (32, 128, 5, 4), (64, 128, 4, 4),
+        (64, 64, 5, 4), (32, 128, 4, 8), (16, 512, 2, 4), (64, 128, 3, 4), (64, 64, 4, 8), (128, 64, 4, 8),
     ]
-]
+]  # fmt: skip
 # split-K launches (SPLIT slices of the reduction, each a whole number of BLOCK_K): more programs
 # for weights with few output columns (o_proj, down) at the cost of float32 partials
 SPLIT_CONFIGS = [
     dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT=sp, num_stages=st, num_warps=w)
     for bn, bk, sp, st, w in [
-        (64, 128, 4, 4, 4),
-        (32, 128, 4, 4, 4),
-        (64, 256, 4, 3, 4),
-        (32, 256, 2, 3, 4),
-        (64, 128, 8, 4, 4),
-        (128, 128, 4, 3, 8),
-        (32, 128, 8, 4, 4),
-        (32, 128, 2, 4, 4),
-        (16, 128, 2, 4, 4),
-        (16, 256, 2, 3, 4),
-        (32, 64, 4, 4, 4),
-        (64, 64, 8, 4, 4),
+        (64, 128, 4, 4, 4), (32, 128, 4, 4, 4), (64, 256, 4, 3, 4), (32, 256, 2, 3, 4),
+        (64, 128, 8, 4, 4), (128, 128, 4, 3, 8), (32, 128, 8, 4, 4), (32, 128, 2, 4, 4),
+        (16, 128, 2, 4, 4), (16, 256, 2, 3, 4), (32, 64, 4, 4, 4), (64, 64, 8, 4, 4),
     ]
-]
+]  # fmt: skip
 MAX_ROWS = 64
 _PLAIN = dict(PDL=False)  # a plain launch's kernel arguments (no dependent start)
 _state: dict = {}

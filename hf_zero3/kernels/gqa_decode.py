@@ -218,18 +218,10 @@ def _rope_body(settings):
     ops, from which ``torch.library`` reads their schema."""
 
     def body(
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        position: torch.Tensor,
-        mask: torch.Tensor,
-        mask_kind: int,
-        scale: float,
-    ) -> torch.Tensor:
+        query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        key_cache: torch.Tensor, value_cache: torch.Tensor, position: torch.Tensor, mask: torch.Tensor,
+        mask_kind: int, scale: float,
+    ) -> torch.Tensor:  # fmt: skip
         launch = settings(query, key_cache)
         return _rope_run(
             query, key, value, cos, sin, key_cache, value_cache, position, mask, mask_kind, scale, **launch
