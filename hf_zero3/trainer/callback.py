@@ -33,7 +33,8 @@ from .._upstream import trl as trl_up
 from .._upstream.versions import check_versions
 from ..errors import Zero3Error
 from ..gathering import close_eval_region
-from ..generation.lockstep import LockstepConfig, base_module, is_generation_model, lockstep_class, lockstep_config
+from ..generation.config import LockstepConfig, lockstep_config
+from ..generation.lockstep import base_module, is_generation_model, lockstep_class
 from ..runtime import runtime_of
 
 __all__ = ["Zero3Safe"]

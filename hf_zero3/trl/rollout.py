@@ -19,7 +19,7 @@ import functools
 import torch
 
 from .._upstream import deepspeed as ds_up
-from ..generation.lockstep import LockstepConfig, lockstep_config
+from ..generation.config import LockstepConfig, lockstep_config
 from ..generation.lockstep import lockstep as apply_lockstep
 
 __all__ = ["early_stop"]
