@@ -24,9 +24,9 @@ _TAIL_FAILED: list = []  # why the greedy tail did not compile (then it runs eag
 
 # -- kept across release(): they hold no model, no buffer and no graph, and forgetting them would
 # cost what release() is not for. A new torch.compile of the same function is a new backend to
-# Dynamo, so dropping a compiled function recompiles the prompt forward, the decode step and the
-# tail (tens of seconds each at a 0.5B shape); the TF32 setting is the one those functions were
-# compiled under, and a forgotten one lets a trainer's flip recompile them (see _tf32_pinned).
+# Dynamo, so a dropped compiled function compiles the prompt forward, the decode step or the tail
+# again (~25 s each at a 0.5B shape); the TF32 setting is the one those functions were compiled
+# under, and a forgotten one lets a trainer's flip recompile them (see compiled._tf32_pinned).
 _COMPILED: dict = {}  # (model class, dependent launches) -> its compiled __call__
 _ONCE: dict = {}  # function -> its torch.compile(fullgraph=True), built at first use
 _TF32: list = []  # whether TF32 matmuls were on in the process's first static-loop call
@@ -34,9 +34,9 @@ _TF32: list = []  # whether TF32 matmuls were on in the process's first static-l
 
 def release(model=None) -> None:
     """Free the static buffers and CUDA graphs the loop keeps for ``model`` (every model: None),
-    and forget why its forward (or its prompt's) did not compile or its steps were not captured: after the cause is
-    gone (a hook removed, say) the next call tries the compiled loop again. With ``model=None`` the
-    greedy tail's compile failure is forgotten too (it is no model's)."""
+    and forget why its forward (or its prompt's) did not compile or its steps were not captured:
+    after the cause is gone (a hook removed, say) the next call tries the compiled loop again. With
+    ``model=None`` the greedy tail's compile failure is forgotten too (it is no model's)."""
     if model is None:
         for kept in _PER_MODEL:
             kept.clear()
