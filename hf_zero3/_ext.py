@@ -18,8 +18,6 @@ import torch
 
 from .options import parse_choice
 
-__all__ = ["load", "is_available", "unavailable_reason", "CSRC"]
-
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 _state: dict = {}
 

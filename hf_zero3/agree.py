@@ -44,8 +44,6 @@ import torch
 
 from .errors import RankDivergenceError, RankFailure, builtin_base, rank_failure_type
 
-__all__ = ["Tag", "agree", "all_max", "all_min", "all_equal", "host_group", "group_ranks", "SMALL", "TIMEOUT_ENV"]
-
 MAGIC = 0x687A33  # "hz3"
 PROTOCOL = 1
 # values carried in the fixed-size all-reduce (a generate() call's first: its budget, its region's

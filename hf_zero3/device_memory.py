@@ -7,8 +7,6 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MemoryState", "read_cuda_memory"]
-
 
 @dataclass(frozen=True)
 class MemoryState:

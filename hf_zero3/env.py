@@ -17,8 +17,6 @@ from dataclasses import asdict, dataclass
 from ._upstream import transformers as hf_up
 from ._upstream import versions
 
-__all__ = ["Row", "version_rows", "fast_path_rows", "model_rows", "report", "render"]
-
 PACKAGES = ("torch", "deepspeed", "transformers", "accelerate", "trl", "peft")
 OK, NO, WARN = "ok", "no", "warn"
 

@@ -31,19 +31,6 @@ from ._upstream import deepspeed as ds_up
 from ._upstream import torch as torch_up
 from .runtime import runtime_of
 
-__all__ = [
-    "GatherPlan",
-    "gathered_forwards",
-    "region_facts",
-    "active_plan",
-    "free_bytes",
-    "GATHER_MODES",
-    "eval_forward",
-    "open_eval_region",
-    "close_eval_region",
-    "EvalGatherMixin",
-]
-
 GATHER_MODES = ("auto", "all", "layerwise")
 LAYER_HOOKS = ("auto", "deepspeed", "hf_zero3")
 #: Headroom kept free on top of the gathered model (activations, KV cache, allocator slack).

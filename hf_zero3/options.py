@@ -20,8 +20,6 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Mapping
 
-__all__ = ["DecodeOptions", "DECODE_SWITCHES", "ENVIRONMENT", "parse_switch", "parse_choice"]
-
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 

@@ -25,8 +25,6 @@ from . import agree, zero3
 from ._upstream import deepspeed as ds_up
 from ._upstream import torch as torch_up
 
-__all__ = ["Runtime", "runtime_of", "ATTR", "unwrap", "engine_of", "deepcompile_active", "zero3_hooks_suspended"]
-
 ATTR = "hf_zero3_runtime"
 _CREATE_LOCK = threading.Lock()
 

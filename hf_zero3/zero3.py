@@ -15,19 +15,6 @@ import torch.nn as nn
 
 from ._upstream import deepspeed as ds_up
 
-__all__ = [
-    "module_of",
-    "is_zero3_param",
-    "is_zero3_model",
-    "zero3_params",
-    "gather_group",
-    "group_world_size",
-    "group_ranks",
-    "gather_ranks",
-    "full_param_bytes",
-    "device_of",
-]
-
 is_zero3_param = ds_up.is_zero3_param
 
 

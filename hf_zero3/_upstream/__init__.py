@@ -10,6 +10,7 @@ through :mod:`.patches` only when the feature that needs them is switched on, an
 
 from __future__ import annotations
 
-from .versions import MINIMUM, TESTED, check_versions, require
-
-__all__ = ["MINIMUM", "TESTED", "check_versions", "require"]
+from .versions import MINIMUM as MINIMUM
+from .versions import TESTED as TESTED
+from .versions import check_versions as check_versions
+from .versions import require as require

@@ -11,8 +11,6 @@ import contextlib
 import threading
 from typing import Callable, Iterator
 
-__all__ = ["install", "remove", "unpatch", "installed", "scope"]
-
 _LOCK = threading.RLock()
 _UNDO: dict[str, Callable[[], None]] = {}  # name -> undo, in installation order
 

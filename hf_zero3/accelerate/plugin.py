@@ -30,15 +30,6 @@ from accelerate.utils import DeepSpeedPlugin
 from .._upstream import patches
 from ..compile.config import SECTION, ConfigError, MemoryPlanConfig
 
-__all__ = [
-    "Zero3DeepSpeedPlugin",
-    "enable_memory_plan",
-    "disable_memory_plan",
-    "memory_plan_enabled",
-    "resolve_memory_plan_section",
-    "wants_memory_plan",
-]
-
 log = logging.getLogger("hf_zero3.accelerate")
 PATCHES = (
     "deepspeed.DeepSpeedEngine.compile: default schedule",

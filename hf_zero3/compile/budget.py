@@ -25,8 +25,6 @@ from ..agree import Tag, all_max, all_min
 from ..device_memory import MemoryState
 from .config import MemoryPlanConfig
 
-__all__ = ["MemoryBudget", "compute_budget", "agree_budget"]
-
 
 @dataclass(frozen=True)
 class MemoryBudget:

@@ -55,8 +55,6 @@ from .gate import counters, drifts, reset_drifts
 from .graph_plan import gathered_params
 from .planner import PlanError, plan_persistence
 
-__all__ = ["Decision", "decide", "Calibration"]
-
 log = logging.getLogger("hf_zero3.memory_plan")
 
 

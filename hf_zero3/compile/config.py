@@ -22,8 +22,6 @@ from typing import Any, Callable, Mapping
 
 from ..options import ENVIRONMENT, parse_switch
 
-__all__ = ["MemoryPlanConfig", "ConfigError", "parse_bytes", "SECTION", "OTHER_ENV"]
-
 SECTION = ("hf_zero3", "memory_plan")
 MODES = ("budget", "match_zero3")
 #: HF_ZERO3_* variables that are not memory-plan fields (so a typo among the rest is caught): the

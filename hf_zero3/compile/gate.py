@@ -34,25 +34,6 @@ from .._upstream.deepspeed import dc_prefetch_fused
 from .._upstream.torch import mark_side_effectful
 from ..device_memory import MemoryState, read_cuda_memory
 
-__all__ = [
-    "decide",
-    "agree_drift",
-    "register_ops",
-    "counters",
-    "reset_counters",
-    "memory_state",
-    "MemoryState",
-    "set_launch_group",
-    "host_group",
-    "set_issue_fn",
-    "local_drift",
-    "native",
-    "launch_budget",
-    "set_adjust",
-    "drifts",
-    "reset_drifts",
-]
-
 _LOCK = threading.Lock()
 _LIB = None
 _GROUPS: dict[int, object] = {}  # graph_id -> gather process group

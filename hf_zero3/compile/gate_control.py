@@ -16,8 +16,6 @@ from .calibration import Calibration
 from .planner import GraphProfile, PlanError, PrefetchPlan
 from .profile import profile_meta_defaults
 
-__all__ = ["rewrite", "set_gates"]
-
 
 def rewrite(
     gm,

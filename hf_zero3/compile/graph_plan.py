@@ -21,17 +21,6 @@ from .config import MemoryPlanConfig
 from .planner import GATHER, GraphProfile, PlanError, PrefetchPlan, check_floor, plan_persistence, plan_prefetch
 from .profile import agree_profile, profile_complete, profile_from_deepcompile
 
-__all__ = [
-    "PlanRecord",
-    "agreed_profile",
-    "plan_graph",
-    "persists_at_compile",
-    "is_last_backward",
-    "gathered_params",
-    "choose_persistent",
-    "persist",
-]
-
 log = logging.getLogger("hf_zero3.memory_plan")
 
 

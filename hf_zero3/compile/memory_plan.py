@@ -71,17 +71,6 @@ from .graph_plan import (
     plan_graph,
 )
 
-__all__ = [
-    "PASS_NAME",
-    "MemoryPlanPass",
-    "memory_plan_schedule",
-    "apply_memory_plan",
-    "compile_with_memory_plan",
-    "pass_contract",
-    "engine_plan_config",
-    "plan_applies",
-]
-
 log = logging.getLogger("hf_zero3.memory_plan")
 PASS_NAME = "hf_zero3_memory_plan"
 ZERO3_PASS = "zero3_compile"

@@ -26,18 +26,6 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-__all__ = [
-    "NodeProfile",
-    "GraphProfile",
-    "PrefetchSlot",
-    "PrefetchPlan",
-    "PlanError",
-    "BudgetTooSmallError",
-    "plan_prefetch",
-    "plan_persistence",
-    "check_floor",
-]
-
 INPUT, GATHER, WAIT, RELEASE, COMPUTE, OUTPUT = "input", "gather", "wait", "release", "compute", "output"
 
 

@@ -17,8 +17,6 @@ from .._upstream import deepspeed as ds_up
 from ..agree import Tag, all_equal, all_max
 from .planner import COMPUTE, GATHER, INPUT, OUTPUT, RELEASE, WAIT, GraphProfile, NodeProfile, PlanError
 
-__all__ = ["node_kind", "profile_from_deepcompile", "agree_profile", "profile_complete", "profile_meta_defaults"]
-
 
 def _dc_ops():
     kinds = {"gather": GATHER, "wait": WAIT, "release": RELEASE}

@@ -14,8 +14,6 @@ from .calibration import Calibration
 from .graph_plan import PlanRecord
 from .planner import GraphProfile, PrefetchPlan
 
-__all__ = ["planned", "dump", "summary"]
-
 log = logging.getLogger("hf_zero3.memory_plan")
 
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import weakref
 
-__all__ = ["release"]
-
 # -- freed by release(model): what one model holds or failed at -----------------------------------
 _LOOPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {shape: (addresses/state, _Loop)}
 _FAILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> why its forward did not compile

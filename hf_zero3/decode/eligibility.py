@@ -8,8 +8,6 @@ from .._upstream import transformers as hf_up
 from . import logits_processors
 from .caches import _FAILED
 
-__all__ = ["GRAPH_SAFE_CRITERIA", "unsupported", "failure"]
-
 # Criteria the loop computes itself: the step budget, and EOS on the token just chosen.
 GRAPH_SAFE_CRITERIA = frozenset({"MaxLengthCriteria", "EosTokenCriteria"})
 _MODEL_KWARGS = frozenset(

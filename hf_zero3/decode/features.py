@@ -20,18 +20,6 @@ from ..kernels import decode_gemm
 from ..options import DecodeOptions
 from . import fused_qkv, gqa_attention, mlp_kernels
 
-__all__ = [
-    "DecodeReport",
-    "Feature",
-    "DependentLaunches",
-    "Attention",
-    "FusedQKV",
-    "MLPKernels",
-    "RopeAttention",
-    "plan",
-    "dependent_launches",
-]
-
 log = logging.getLogger("hf_zero3.generation")
 
 

@@ -33,8 +33,6 @@ from .._upstream import torch as torch_up
 from ..device_memory import read_cuda_memory
 from ..kernels.decode_gemm import MAX_ROWS
 
-__all__ = ["NAMES", "plan", "partials", "Fused"]
-
 NAMES = ("q_proj", "k_proj", "v_proj")
 _FORWARDS: "weakref.WeakKeyDictionary[nn.Module, object]" = weakref.WeakKeyDictionary()  # Linear -> its forward
 _SLOTS: "weakref.WeakKeyDictionary[nn.Module, _Slot]" = weakref.WeakKeyDictionary()  # attention -> its slot

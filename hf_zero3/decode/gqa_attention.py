@@ -32,22 +32,6 @@ from .._upstream import transformers as hf_up
 from ..kernels import decode_gemm, gqa_decode
 from . import families, fused_qkv
 
-__all__ = [
-    "NAME",
-    "KERNEL",
-    "attention",
-    "kernel_attention",
-    "applies",
-    "choice",
-    "use",
-    "rope_plan",
-    "rope_bind",
-    "rope_rotaries",
-    "rope_use",
-    "rope_qkv",
-    "advance",
-]
-
 NAME = "hf_zero3_gqa_decode"
 KERNEL = gqa_decode.NAME
 _REPLACES = ("sdpa", "eager")  # implementations whose decode step this computes the same way

@@ -27,8 +27,6 @@ import torch
 
 from .._upstream import transformers as hf_up
 
-__all__ = ["TENSOR_ONLY", "COMPUTED", "unsupported", "key", "LoopProcessors"]
-
 # Tensor-only processors: they read the scores, never the (growing) input ids or host state.
 TENSOR_ONLY = frozenset(
     {

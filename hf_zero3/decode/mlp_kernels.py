@@ -36,8 +36,6 @@ from .._upstream import torch as torch_up
 from ..kernels import decode_gemm
 from . import families
 
-__all__ = ["plan", "bind", "use", "applies", "applies_split"]
-
 _FORWARDS: "weakref.WeakKeyDictionary[nn.Module, object]" = weakref.WeakKeyDictionary()
 
 

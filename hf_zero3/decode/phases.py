@@ -16,8 +16,6 @@ import torch
 
 from .._upstream import torch as torch_up
 
-__all__ = ["PHASES", "phase"]
-
 #: Every phase the static loop labels, in the order a call meets them: the whole call, the
 #: prompt's forward, the loop's lookup, filling its buffers, the first token's choice, binding the
 #: features and the cache, a late check's snapshot, a stop agreement, the loop's first step ever

@@ -66,17 +66,18 @@ import torch
 from .._upstream import torch as torch_up
 from .._upstream import transformers as hf_up
 from ..options import DecodeOptions
-from .caches import _PREFILL_FAILED, release
+from .caches import _PREFILL_FAILED
+from .caches import release as release  # the decode engine's entry points, named here
 from .compiled import _tf32_pinned
-from .eligibility import GRAPH_SAFE_CRITERIA, failure, unsupported
+from .eligibility import GRAPH_SAFE_CRITERIA as GRAPH_SAFE_CRITERIA
+from .eligibility import failure as failure
+from .eligibility import unsupported as unsupported
 from .graph_runner import _Runner, _Snapshot
 from .loop import _Loop
 from .loop_cache import _forget, _loop_for
 from .phases import phase
 from .prefill import _eos_ids, _prefill, _prompt_inputs
 from .stops import LoopOutcome, StopAgreement, StopSchedule
-
-__all__ = ["GRAPH_SAFE_CRITERIA", "unsupported", "decode", "failure", "release"]
 
 
 @_tf32_pinned()

@@ -10,8 +10,6 @@ from typing import Protocol
 
 from .features import DecodeReport
 
-__all__ = ["StopSchedule", "LoopOutcome", "StopAgreement"]
-
 
 @dataclass(frozen=True)
 class StopSchedule:

@@ -36,8 +36,6 @@ import torch
 
 from .._upstream import transformers as hf_up
 
-__all__ = ["DECODE_MODES", "resolve", "own_loop_only", "prepare", "graph_count", "region_allows"]
-
 DECODE_MODES = ("auto", "eager", "compiled")
 log = logging.getLogger("hf_zero3.generation")
 _SAID: set = set()

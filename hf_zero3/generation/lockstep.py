@@ -45,30 +45,12 @@ from ..options import DecodeOptions
 from ..runtime import runtime_of
 from . import compiled_decode
 from .config import (
-    COMPILED_SYNC_EVERY,
     LOCKSTEP_FIELDS,
-    STOP_MODES,
     LockstepConfig,
     LockstepStats,
     lockstep_config,
     stop_schedule,
 )
-
-__all__ = [
-    "LockstepConfig",
-    "LOCKSTEP_FIELDS",
-    "lockstep_config",
-    "LockstepStats",
-    "Zero3GenerationMixin",
-    "lockstep",
-    "lockstep_generate",
-    "lockstep_class",
-    "base_module",
-    "is_generation_model",
-    "STOP_MODES",
-    "COMPILED_SYNC_EVERY",
-    "stop_schedule",
-]
 
 
 class _Call(StopAgreement):

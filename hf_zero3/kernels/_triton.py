@@ -11,8 +11,6 @@ import os
 
 import torch
 
-__all__ = ["missing", "interpreted", "launcher", "op", "autotune"]
-
 
 def missing() -> str | None:
     """Why Triton kernels cannot be built here (None: they can)."""

@@ -35,21 +35,6 @@ import torch
 
 from . import _triton
 
-__all__ = [
-    "is_available",
-    "load",
-    "linear",
-    "gate_up_silu",
-    "linear_split",
-    "split_for",
-    "DEFAULT",
-    "CONFIGS",
-    "SPLIT_CONFIGS",
-    "MAX_ROWS",
-    "dependent_unavailable",
-    "load_dependent",
-]
-
 DEFAULT = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
 # the launch configurations the probe and autotuning try (each fits an H100/H200 SM's shared memory)
 CONFIGS = [

@@ -35,18 +35,6 @@ import torch
 
 from . import _triton
 
-__all__ = [
-    "NAME",
-    "is_available",
-    "runs_on_cpu",
-    "unavailable_reason",
-    "load",
-    "supports",
-    "pays",
-    "gqa_decode_attention",
-    "rope_decode_attention",
-]
-
 NAME = "hf_zero3_gqa_decode_triton"
 BLOCK_S = 64  # cache positions per block
 LAUNCH = dict(BLOCK=BLOCK_S, num_warps=4, num_stages=2)  # both kernels' launch settings

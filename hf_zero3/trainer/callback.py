@@ -37,8 +37,6 @@ from ..generation.config import LockstepConfig, lockstep_config
 from ..generation.lockstep import base_module, is_generation_model, lockstep_class
 from ..runtime import runtime_of
 
-__all__ = ["Zero3Safe"]
-
 log = logging.getLogger("hf_zero3.trainer")
 
 

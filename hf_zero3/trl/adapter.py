@@ -64,8 +64,6 @@ from .._upstream.versions import require
 from ..gathering import close_eval_region
 from ..runtime import runtime_of
 
-__all__ = ["adapt", "runs_zero3", "before_training", "DEEPCOMPILE_PAD_TO_MULTIPLE_OF"]
-
 log = logging.getLogger("hf_zero3.trl")
 _DRAW_SCALE = 2**53
 #: The runtime whose group agrees padded lengths while a trainer turns its completions into tensors.

@@ -26,8 +26,6 @@ import types
 
 import torch
 
-__all__ = ["replace_fused_head", "logits_head_outputs"]
-
 log = logging.getLogger("hf_zero3.trl")
 
 

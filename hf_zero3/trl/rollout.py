@@ -22,8 +22,6 @@ from .._upstream import deepspeed as ds_up
 from ..generation.config import LockstepConfig, lockstep_config
 from ..generation.lockstep import lockstep as apply_lockstep
 
-__all__ = ["early_stop"]
-
 
 def early_stop(rollout, lockstep: LockstepConfig | None = None, **options):
     """Give ``rollout`` (a ``deepspeed.runtime.rollout.HybridEngineRollout``) an early stop; returns it.

@@ -168,6 +168,24 @@ PUBLIC_MODULES = (
 )
 
 
+def test_only_the_public_modules_define_all():
+    """An ``__all__`` marks a public module (the architecture page's rule): every other module
+    offers its unprefixed names to the package, and nothing more is public."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    defining = set()
+    for path in (root / "hf_zero3").rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+                parts = path.relative_to(root).with_suffix("").parts
+                defining.add(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    outside = sorted(defining - set(PUBLIC_MODULES))
+    assert defining == set(PUBLIC_MODULES), f"__all__ outside the public modules: {outside}"
+
+
 def _api_entries() -> list[str]:
     return re.findall(r"^:::\s+(\S+)\s*$", _page("reference/api.md"), re.M)
 

@@ -6,7 +6,7 @@ runs; a call the loop cannot take decodes eagerly, not through transformers' com
 import pytest
 from _launch import run as _run
 
-from hf_zero3.generation.lockstep import COMPILED_SYNC_EVERY
+from hf_zero3.generation.config import COMPILED_SYNC_EVERY
 
 pytestmark = pytest.mark.gpu
 

@@ -19,9 +19,6 @@ from ..._upstream import transformers as hf_up
 from . import llama, mistral, qwen2, qwen3
 from .family import Family
 
-__all__ = ["Family", "FAMILIES", "mlp_forwards", "rope_forwards", "fallbacks"]
-
-
 FAMILIES: dict[str, Family] = {m.FAMILY.model_type: m.FAMILY for m in (llama, mistral, qwen2, qwen3)}
 
 
