@@ -42,9 +42,9 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 install: $(STAMP)
 
 # The DeepSpeed CPU comm op is built once before the ranks start (two ranks building it at once
-# can leave a stale build lock behind; hf_zero3/testing/warm.py).
+# can leave a stale build lock behind; tests/fixtures/warm.py).
 demo: $(STAMP)
-	$(PY) -m hf_zero3.testing.warm
+	$(PY) tests/fixtures/warm.py
 	$(PY) examples/demo.py
 
 # Two pytest workers: single-process tests and waits of one test fill the cores the other leaves idle.

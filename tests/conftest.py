@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-# Let spawned ranks import test modules and the package from a source checkout.
+# Let spawned ranks import test modules, the fixtures package and hf_zero3 from a source checkout.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for p in (ROOT, os.path.join(ROOT, "tests")):
     if p not in sys.path:
@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
 
 
 def pytest_sessionstart(session):
-    """Build DeepSpeed's CPU comm op once, before any rank is spawned (see testing/warm.py).
+    """Build DeepSpeed's CPU comm op once, before any rank is spawned (see fixtures/warm.py).
 
     Under pytest-xdist the controller builds it before it starts the workers; a worker must not
     (it would take a build another worker is running for a stale one)."""
@@ -39,6 +39,6 @@ def pytest_sessionstart(session):
 
     if torch.cuda.is_available() or hasattr(session.config, "workerinput"):
         return
-    from hf_zero3.testing.warm import warm_cpu_comm_op
+    from fixtures.warm import warm_cpu_comm_op
 
     warm_cpu_comm_op()

@@ -145,10 +145,10 @@ def test_control_raw_generate_leaves_the_healthy_rank_with_a_gloo_error():
 def _seq2seq_long_prompt_on_one_rank(tmpdir):
     """Seq2SeqTrainer(predict_with_generate=True, generation_max_length=14), one 15-token prompt."""
     import torch.distributed as dist
+    from fixtures.trainer_job import make_trainer
 
     from hf_zero3 import Zero3Safe
     from hf_zero3.errors import RankFailure
-    from hf_zero3.testing.trainer_job import make_trainer
 
     trainer = make_trainer(f"{tmpdir}/s2s", callbacks=[Zero3Safe()], max_steps=1, seq2seq=True)
     trainer.train()
@@ -471,11 +471,11 @@ def test_exceptions_leave_parameters_partitioned_and_hooks_restored():
 
 def _failed_evaluate(tmpdir):
     import torch.distributed as dist
+    from fixtures.trainer_job import make_trainer
 
     from hf_zero3 import Zero3Safe
     from hf_zero3.errors import RankFailure
     from hf_zero3.gathering import active_plan
-    from hf_zero3.testing.trainer_job import make_trainer
 
     rank = dist.get_rank()
     trainer = make_trainer(f"{tmpdir}/ev", callbacks=[Zero3Safe()], max_steps=2)

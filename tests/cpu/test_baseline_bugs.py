@@ -15,8 +15,7 @@ from hf_zero3.testing import DistributedFailure, mark, run_ranks
 def _raw_generate_then_collective(hf_aware: bool, synced_gpus):
     import torch.distributed as dist
     from _zero3_workers import build_engine
-
-    from hf_zero3.testing.scenarios import find_eos_scenario
+    from fixtures.scenarios import find_eos_scenario
 
     engine, ref = build_engine(hf_aware=hf_aware)
     sc = find_eos_scenario(ref)

@@ -14,9 +14,9 @@ def _compiled_two_ranks():
 
     import torch.distributed as dist
     from _zero3_workers import ForwardCounter, build_engine
+    from fixtures.scenarios import find_eos_scenario
 
     import hf_zero3
-    from hf_zero3.testing.scenarios import find_eos_scenario
 
     rank = dist.get_rank()
     engine, ref = build_engine(hf_aware=False)

@@ -5,7 +5,7 @@ The line before each fenced block (blank lines allowed between) is one HTML comm
 * ``<!-- example: ranks=N -->``: a python block run on N gloo ranks (N = 1 or 2) through
   ``run_ranks(..., init="deepspeed")`` on CPU, in a fresh temporary working directory holding
   ``ds_config.json``, with ``model``, ``tokenizer``, ``train_dataset``, ``eval_dataset`` and
-  ``ds_config`` predefined (:mod:`hf_zero3.testing.docs_fixtures`); it must finish on every rank.
+  ``ds_config`` predefined (:mod:`fixtures.docs_fixtures`); it must finish on every rank.
 * ``<!-- example: shell -->``: every command is a ``make`` target of the Makefile (what ``.ci/run``
   and a user run) or a ``pip install`` of what the Makefile / pyproject.toml install.
 * ``<!-- example: config -->``: a YAML/JSON block, parsed and built as a user's run would: an
@@ -110,8 +110,9 @@ _RAN: dict[tuple[str, int], list] = {}
 
 
 def _run_ranks_block(block: Block, n: int) -> None:
+    from fixtures.docs_fixtures import run_example, write_ds_config
+
     from hf_zero3.testing import run_ranks
-    from hf_zero3.testing.docs_fixtures import run_example, write_ds_config
 
     assert block.lang in _PY, f"a ranks example must be a python block, not {block.lang!r}"
     assert n in (1, 2), f"ranks={n}: examples run on 1 or 2 ranks"

@@ -14,9 +14,9 @@ from hf_zero3.testing import CollectiveSpy, mark, run_ranks
 def _scenarios_two_ranks():
     import torch.distributed as dist
     from _zero3_workers import ForwardCounter, build_engine
+    from fixtures.scenarios import find_eos_scenario
 
     import hf_zero3
-    from hf_zero3.testing.scenarios import find_eos_scenario
 
     spy = CollectiveSpy().__enter__()  # before DeepSpeed caches its collective functions
     rank = dist.get_rank()

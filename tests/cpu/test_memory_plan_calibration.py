@@ -72,13 +72,13 @@ def _calibrating_rank(
     from types import SimpleNamespace
 
     import torch.distributed as dist
+    from fixtures.fx_profile import STAND_IN_OPS, collective_issue, record_tiny_backward
     from torch.fx import Interpreter
 
     from hf_zero3.compile import MemoryPlanConfig, gate
     from hf_zero3.compile.gate import MemoryState
     from hf_zero3.compile.memory_plan import MemoryPlanPass
     from hf_zero3.testing import mark
-    from hf_zero3.testing.fx_profile import STAND_IN_OPS, collective_issue, record_tiny_backward
 
     rank, gid = dist.get_rank(), 17
     rec = record_tiny_backward()
@@ -217,10 +217,11 @@ def _planned_pass(gid: int):
     and peaks (the world group agrees)."""
     from types import SimpleNamespace
 
+    from fixtures.fx_profile import STAND_IN_OPS, record_tiny_backward
+
     from hf_zero3.compile import MemoryPlanConfig
     from hf_zero3.compile.gate import MemoryState
     from hf_zero3.compile.memory_plan import MemoryPlanPass
-    from hf_zero3.testing.fx_profile import STAND_IN_OPS, record_tiny_backward
 
     rec = record_tiny_backward()
     peak = max(m[3] for m in rec.fwd_mem)

@@ -174,9 +174,10 @@ def test_deepcompile_on_cpu_is_a_clear_error():
 def _trainer_rank(tmpdir: str):
     import copy
 
+    from fixtures.trainer_job import make_trainer, train_losses
+
     from hf_zero3 import Zero3Safe
     from hf_zero3.accelerate import memory_plan_enabled
-    from hf_zero3.testing.trainer_job import make_trainer, train_losses
 
     trainer = make_trainer(tmpdir, callbacks=[Zero3Safe()], max_steps=2, ds_extra=copy.deepcopy(SECTION))
     trainer.train()

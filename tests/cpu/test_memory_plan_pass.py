@@ -13,12 +13,12 @@ from hf_zero3.testing import run_ranks
 
 def _pass_rank(limit_slack: int):
     import torch.distributed as dist
+    from fixtures.fx_profile import STAND_IN_OPS, collective_issue, record_tiny_backward
     from torch.fx import Interpreter
 
     from hf_zero3.compile import MemoryPlanConfig, gate
     from hf_zero3.compile.gate import MemoryState
     from hf_zero3.compile.memory_plan import MemoryPlanPass
-    from hf_zero3.testing.fx_profile import STAND_IN_OPS, collective_issue, record_tiny_backward
 
     rank, gid = dist.get_rank(), 11
     rec = record_tiny_backward()
@@ -96,11 +96,11 @@ def test_impossible_budget_is_raised_by_the_next_forward_with_its_fix():
 def _one_rank_fails_while_planning():
     """Rank 1 cannot read its memory while planning; rank 0 plans normally up to that point."""
     import torch.distributed as dist
+    from fixtures.fx_profile import STAND_IN_OPS, record_tiny_backward
 
     from hf_zero3.compile import MemoryPlanConfig
     from hf_zero3.compile.gate import MemoryState
     from hf_zero3.compile.memory_plan import MemoryPlanPass
-    from hf_zero3.testing.fx_profile import STAND_IN_OPS, record_tiny_backward
 
     rank, gid = dist.get_rank(), 13
     rec = record_tiny_backward()

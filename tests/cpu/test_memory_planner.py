@@ -54,9 +54,10 @@ def synthetic(seed: int, layers: int = 6) -> GraphProfile:
 @pytest.fixture(scope="module")
 def recorded():
     """FX graphs of a real Llama and Qwen2 forward with gathers/releases, profiled on CPU."""
+    from fixtures.fx_profile import STAND_IN_OPS, record_tiny_model
+
     from hf_zero3.compile.profile import profile_from_deepcompile
     from hf_zero3.testing import models
-    from hf_zero3.testing.fx_profile import STAND_IN_OPS, record_tiny_model
 
     out = []
     for i, cfg in enumerate((None, models.tiny_qwen2_config(hidden_size=64, intermediate_size=128, vocab_size=256))):
@@ -195,9 +196,9 @@ def test_malformed_profiles_are_refused():
 def _plan_on_rank():
     """Each rank records its own CPU profile (its own timings), agrees it, plans."""
     import torch.distributed as dist
+    from fixtures.fx_profile import STAND_IN_OPS, record_tiny_model
 
     from hf_zero3.compile.profile import agree_profile, profile_from_deepcompile
-    from hf_zero3.testing.fx_profile import STAND_IN_OPS, record_tiny_model
 
     rec = record_tiny_model()
     local = profile_from_deepcompile(rec.fwd_graph, rec, 0, False, ops=STAND_IN_OPS)

@@ -55,6 +55,7 @@ def test_allocatable_counts_cached_blocks_and_the_fraction_cap():
 def _gated_graph_rank(agree: bool, drifts: tuple[int, ...]):
     """Plan + rewrite a recorded Llama graph, run it with this rank's memory state, log issues."""
     import torch.distributed as dist
+    from fixtures.fx_profile import STAND_IN_OPS, record_tiny_model
     from torch.fx import Interpreter
 
     from hf_zero3.compile import gate
@@ -62,7 +63,6 @@ def _gated_graph_rank(agree: bool, drifts: tuple[int, ...]):
     from hf_zero3.compile.planner import plan_prefetch
     from hf_zero3.compile.profile import agree_profile, profile_from_deepcompile
     from hf_zero3.testing import mark
-    from hf_zero3.testing.fx_profile import STAND_IN_OPS, record_tiny_model
 
     rank = dist.get_rank()
     rec = record_tiny_model()

@@ -75,6 +75,7 @@ def _group_of_two():
     generation, an eval region and the memory-plan pass; every collective must stay in the group."""
     import deepspeed
     import torch.distributed as dist
+    from fixtures.fx_profile import STAND_IN_OPS, record_tiny_model
     from torch.fx import Interpreter
 
     import hf_zero3
@@ -83,7 +84,6 @@ def _group_of_two():
     from hf_zero3.compile.memory_plan import MemoryPlanPass
     from hf_zero3.runtime import runtime_of
     from hf_zero3.testing import models, strict_zero3_config
-    from hf_zero3.testing.fx_profile import STAND_IN_OPS, record_tiny_model
     from hf_zero3.zero3 import group_ranks
 
     rank = dist.get_rank()

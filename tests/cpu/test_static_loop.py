@@ -18,9 +18,9 @@ def _static_loop_batches_rank():
     import torch._dynamo
     import torch.distributed as dist
     from _zero3_workers import build_engine
+    from fixtures.scenarios import find_eos_scenario
 
     import hf_zero3
-    from hf_zero3.testing.scenarios import find_eos_scenario
 
     rank = dist.get_rank()
     engine, ref = build_engine(hf_aware=False)

@@ -10,7 +10,7 @@ from hf_zero3.testing import mark, run_ranks
 
 
 def _train_facts(trainer) -> dict:
-    from hf_zero3.testing.trainer_job import train_losses
+    from fixtures.trainer_job import train_losses
 
     engine = trainer.model_wrapped
     config = trainer.accelerator.state.deepspeed_plugin.deepspeed_config
@@ -27,9 +27,9 @@ def _train_facts(trainer) -> dict:
 
 def _first_eval_run(tmpdir, first: str, safe: bool):
     import torch
+    from fixtures.trainer_job import make_trainer
 
     from hf_zero3 import Zero3Safe
-    from hf_zero3.testing.trainer_job import make_trainer
 
     mark(f"{first} before train (Zero3Safe: {safe})")
     trainer = make_trainer(f"{tmpdir}/{first}{safe}", callbacks=[Zero3Safe()] if safe else [], max_steps=6)
@@ -56,8 +56,9 @@ def _first_eval_run(tmpdir, first: str, safe: bool):
 
 
 def _plain_run(tmpdir):
+    from fixtures.trainer_job import make_trainer
+
     from hf_zero3 import Zero3Safe
-    from hf_zero3.testing.trainer_job import make_trainer
 
     trainer = make_trainer(f"{tmpdir}/plain", callbacks=[Zero3Safe()], max_steps=6)
     trainer.train()
@@ -99,8 +100,9 @@ def test_without_zero3safe_the_first_step_after_an_evaluation_fails(tmp_path_fac
 def _again_and_resume(tmpdir):
     import math
 
+    from fixtures.trainer_job import make_trainer, train_losses
+
     from hf_zero3 import Zero3Safe
-    from hf_zero3.testing.trainer_job import make_trainer, train_losses
 
     out = {}
     mark("train twice")

@@ -9,10 +9,11 @@ from hf_zero3.testing import mark, run_ranks
 
 
 def _trainer_run(tmpdir):
+    from fixtures.trainer_job import make_trainer, train_losses
+
     from hf_zero3 import Zero3Safe
     from hf_zero3.gathering import active_plan
     from hf_zero3.testing import models
-    from hf_zero3.testing.trainer_job import make_trainer, train_losses
 
     out = {}
     # 1) train -> train (no eval) and train -> eval -> train: same losses
@@ -84,9 +85,10 @@ def test_predict_logits_match_reference_uneven_eval_set(trainer_results):
 
 
 def _seq2seq_generate(tmpdir):
+    from fixtures.trainer_job import make_trainer
+
     from hf_zero3 import Zero3Safe
     from hf_zero3.testing import models
-    from hf_zero3.testing.trainer_job import make_trainer
 
     trainer = make_trainer(f"{tmpdir}/s2s", callbacks=[Zero3Safe(sync_every=2)], max_steps=2, seq2seq=True, n_eval=3)
     trainer.train()
@@ -129,9 +131,10 @@ def _zero2_with_a_bogus_plan_variable(tmpdir):
     """Zero3Safe is harmless without ZeRO-3, even with a bad HF_ZERO3_* setting it never needs."""
     import os
 
+    from fixtures.trainer_job import make_trainer, train_losses
+
     from hf_zero3 import Zero3Safe
     from hf_zero3._upstream import patches
-    from hf_zero3.testing.trainer_job import make_trainer, train_losses
 
     os.environ["HF_ZERO3_MODE"] = "bogus"
     trainer = make_trainer(

@@ -1,6 +1,6 @@
 """The real TRL trainers and DeepSpeed's ``HybridEngineRollout`` under strict ZeRO-3 on 2 gloo ranks.
 
-Every TRL case trains a tiny trainer of :mod:`hf_zero3.testing.trl_jobs` for 2 optimizer steps
+Every TRL case trains a tiny trainer of :mod:`fixtures.trl_jobs` for 2 optimizer steps
 with ``callbacks=[Zero3Safe()]`` (which applies :func:`hf_zero3.trl.apply`), the ranks made to
 diverge on purpose (per-rank EOS, a tool call on rank 0 only, per-rank GKD draws), and checks
 that both ranks finish with the same losses (a mean over the group) and ran the same
@@ -23,8 +23,9 @@ STEPS = 2  # trl_jobs' max_steps
 # -- rank functions ------------------------------------------------------------------------------
 def _train(build, tmpdir, **kwargs):
     """Build a trl_jobs trainer with Zero3Safe, train it; its results plus the runtime report."""
+    from fixtures import trl_jobs
+
     import hf_zero3
-    from hf_zero3.testing import trl_jobs
 
     mark(f"building {build.__name__} {kwargs}")
     hooks = trl_jobs.EmbeddingHookCount()
@@ -65,13 +66,13 @@ DISTILL_CASES = {
 
 
 def _grpo_cases(tmpdir):
-    from hf_zero3.testing import trl_jobs
+    from fixtures import trl_jobs
 
     return {name: _train(trl_jobs.grpo_trainer, f"{tmpdir}/{name}", **kw) for name, kw in GRPO_CASES.items()}
 
 
 def _distill_cases(tmpdir):
-    from hf_zero3.testing import trl_jobs
+    from fixtures import trl_jobs
 
     return {
         name: _train(getattr(trl_jobs, build), f"{tmpdir}/{name}", **kw) for name, (build, kw) in DISTILL_CASES.items()
@@ -216,7 +217,7 @@ def test_distillation_tool_round_of_one_rank_is_joined(distill_results):
 # -- controls: the same divergence without the fix crashes or hangs ------------------------------
 # (No control for GRPO with TRL's defaults: its old failure no longer reproduces without the fix.)
 def _control(run_name, tmpdir, **kwargs):
-    from hf_zero3.testing import trl_jobs
+    from fixtures import trl_jobs
 
     return getattr(trl_jobs, run_name)(tmpdir, **kwargs)  # no Zero3Safe
 
@@ -248,9 +249,10 @@ def test_control_gkd_divergent_draws_without_fix_hangs(tmp_path):
 def _grpo_eval_without_region_release(tmpdir):
     """GRPO evaluating between steps with Zero3Safe, its wrapper of TRL's gather for generation
     removed (the failure first seen on GPU under DeepCompile)."""
+    from fixtures import trl_jobs
+
     import hf_zero3
     from hf_zero3._upstream import patches
-    from hf_zero3.testing import trl_jobs
 
     trainer = trl_jobs.grpo_trainer(tmpdir, evaluate=True, callbacks=[hf_zero3.Zero3Safe()])
     assert patches.remove("trl.models.utils._unwrap_model_for_generation: release the eval region first")
@@ -261,8 +263,9 @@ def _grpo_eval_without_region_release(tmpdir):
 def _grpo_hooks_without_shim(tmpdir):
     """GRPO (TRL's default checkpointing) with Zero3Safe, the input-grad hook shim removed: the
     input embeddings' forward hooks after each step."""
+    from fixtures import trl_jobs
+
     import hf_zero3
-    from hf_zero3.testing import trl_jobs
 
     hooks = trl_jobs.EmbeddingHookCount()
     trainer = trl_jobs.grpo_trainer(tmpdir, callbacks=[hf_zero3.Zero3Safe(), hooks])
@@ -284,11 +287,12 @@ def _compiled_grpo_graphs(tmpdir, shim: bool):
     """GRPO with torch_compile=True (Dynamo, eager backend: the guards without inductor's compile
     time) under ZeRO-3 and Zero3Safe, padded as under DeepCompile: Dynamo's unique graphs after
     each of 4 steps. ``shim=False`` removes the input-grad hook shim."""
+    from fixtures import trl_jobs
     from trl import GRPOConfig, GRPOTrainer
 
     import hf_zero3
     from hf_zero3._upstream import patches
-    from hf_zero3.testing import trl_jobs
+    from hf_zero3.testing import tiny_tokenizer
     from hf_zero3.trl.adapter import DEEPCOMPILE_PAD_TO_MULTIPLE_OF
 
     graphs = trl_jobs.GraphCount()
@@ -302,7 +306,7 @@ def _compiled_grpo_graphs(tmpdir, shim: bool):
         torch_compile_backend="eager",
         pad_to_multiple_of=DEEPCOMPILE_PAD_TO_MULTIPLE_OF,
     )
-    tok = trl_jobs.tiny_tokenizer()
+    tok = tiny_tokenizer()
     trainer = GRPOTrainer(
         model=trl_jobs._model(tok),
         reward_funcs=trl_jobs.length_reward,
@@ -336,8 +340,9 @@ def _grpo_training_lengths(tmpdir, align: bool):
     """GRPO with rank 0's rows ending at their 2nd token (rank 1's run the budget): the sequence
     length of every training forward, with or without the group-length padding installed under
     DeepCompile (installed here by hand: DeepCompile needs CUDA)."""
+    from fixtures import trl_jobs
+
     import hf_zero3
-    from hf_zero3.testing import trl_jobs
     from hf_zero3.trl import adapter
 
     trainer = trl_jobs.grpo_trainer(tmpdir, diverge_eos=True, callbacks=[hf_zero3.Zero3Safe()])
@@ -392,10 +397,10 @@ def test_control_grpo_eval_without_region_release_fails(tmp_path):
 def _log_completions(tmpdir, fixed: bool):
     """GRPO with TRL's LogCompletionsCallback over 3 prompts, eval batch 1: rank 0 gets 2 prompts
     (2 generate() calls), rank 1 gets 1, after every step."""
+    from fixtures import trl_jobs
     from trl import LogCompletionsCallback
 
     import hf_zero3
-    from hf_zero3.testing import trl_jobs
 
     trainer = trl_jobs.grpo_trainer(tmpdir, callbacks=[hf_zero3.Zero3Safe()] if fixed else [])
     trainer.args.per_device_eval_batch_size = 1
@@ -443,9 +448,9 @@ def _rollout_run():
     import torch.distributed as dist
     from _zero3_workers import ForwardCounter, build_engine
     from deepspeed.runtime.rollout import HybridEngineRollout, RolloutRequest, SamplingConfig
+    from fixtures.scenarios import find_eos_scenario
 
     import hf_zero3.trl
-    from hf_zero3.testing.scenarios import find_eos_scenario
 
     torch.set_num_threads(1)  # two ranks share a small CPU
     rank = dist.get_rank()

@@ -16,8 +16,9 @@ TRAINERS = ("grpo", "grpo_lora", "rloo", "gkd", "gold", "distillation", "sdft", 
 
 
 def _both_ways(tmpdir: str) -> dict:
+    from fixtures import trl_jobs
+
     import hf_zero3
-    from hf_zero3.testing import trl_jobs
 
     builders = {
         "grpo": trl_jobs.grpo_trainer,

@@ -94,11 +94,11 @@ def test_a_softcapped_models_logits_are_not_transformed_twice():
 
 
 def _grpo_head_rank(tmpdir: str, deepcompile: bool, torch_compile: bool, peft: bool, user_pad=None):
+    from fixtures import trl_jobs
     from trl import GRPOConfig, GRPOTrainer
 
     import hf_zero3
-    from hf_zero3.testing import trl_jobs
-    from hf_zero3.testing.configs import trainer_zero3_config
+    from hf_zero3.testing import tiny_tokenizer, trainer_zero3_config
 
     ds = trainer_zero3_config(extra={"compile": {"deepcompile": True}} if deepcompile else None)
     args = trl_jobs._args(
@@ -110,7 +110,7 @@ def _grpo_head_rank(tmpdir: str, deepcompile: bool, torch_compile: bool, peft: b
         torch_compile=torch_compile,
         pad_to_multiple_of=user_pad,
     )
-    tok = trl_jobs.tiny_tokenizer()
+    tok = tiny_tokenizer()
     model = trl_jobs._model(tok)
     peft_config = None
     if peft:
@@ -182,10 +182,10 @@ def test_zero3safe_replaces_the_head_only_for_deepcompile_training(
 def _grpo_losses_rank(tmpdir: str):
     """GRPO (2 steps, strict ZeRO-3, eager: DeepCompile needs CUDA) with TRL's fused head, then the
     same job with hf_zero3's logits head swapped in at train begin (as under DeepCompile)."""
+    from fixtures import trl_jobs
     from transformers import TrainerCallback
 
     import hf_zero3
-    from hf_zero3.testing import trl_jobs
     from hf_zero3.trl.fused_head import replace_fused_head
 
     class Swap(TrainerCallback):

@@ -360,9 +360,8 @@ def test_profiler_running_is_true_inside_a_torch_profiler_only():
 
 
 def _trainer_contracts(tmpdir):
+    from fixtures.trainer_job import make_trainer
     from transformers import TrainerCallback
-
-    from hf_zero3.testing.trainer_job import make_trainer
 
     found = {}
 

@@ -50,12 +50,12 @@ def grpo_deepcompile(tmpdir: str, gradient_checkpointing: bool = True):
     generates before every step and evaluates, and the training graphs are compiled once."""
     import logging
 
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from fixtures.trl_jobs import GraphCount, _prompts, length_reward
+    from transformers import Qwen2ForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
     import hf_zero3
-    from hf_zero3.testing.configs import trainer_zero3_config
-    from hf_zero3.testing.trl_jobs import GraphCount, _prompts, length_reward, tiny_tokenizer
+    from hf_zero3.testing import small_qwen2_config, tiny_tokenizer, trainer_zero3_config
 
     tok = tiny_tokenizer()
     ds = trainer_zero3_config(extra={"compile": {"deepcompile": True}, "bf16": {"enabled": True}})
@@ -86,19 +86,7 @@ def grpo_deepcompile(tmpdir: str, gradient_checkpointing: bool = True):
         disable_tqdm=True,
         gradient_checkpointing=gradient_checkpointing,
     )
-    cfg = Qwen2Config(
-        vocab_size=len(tok),
-        hidden_size=1024,
-        intermediate_size=2816,
-        num_hidden_layers=4,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        max_position_embeddings=1024,
-        attn_implementation="sdpa",
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    cfg = small_qwen2_config(vocab_size=len(tok))
     torch.manual_seed(0)
     model = Qwen2ForCausalLM._from_config(cfg, dtype=torch.bfloat16)
     trainer = GRPOTrainer(
@@ -128,12 +116,12 @@ def grpo_compiled_decode(tmpdir: str, steps: int = 3, cuda: bool = True):
     """TRL's GRPO under plain ZeRO-3 with ``Zero3Safe(decode="compiled")``: every rollout (TRL's
     gathered model, TRL's default sampling) runs hf_zero3's static loop with CUDA graphs and the
     grouped-heads attention; per rollout, whether it replayed the last one's graphs."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM, TrainerCallback
+    from fixtures.trl_jobs import _prompts, length_reward
+    from transformers import Qwen2ForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     import hf_zero3
-    from hf_zero3.testing.configs import trainer_zero3_config
-    from hf_zero3.testing.trl_jobs import _prompts, length_reward, tiny_tokenizer
+    from hf_zero3.testing import small_qwen2_config, tiny_tokenizer, trainer_zero3_config
 
     class Rollouts(TrainerCallback):
         def __init__(self):
@@ -171,19 +159,7 @@ def grpo_compiled_decode(tmpdir: str, steps: int = 3, cuda: bool = True):
         logging_steps=1,
         disable_tqdm=True,
     )
-    cfg = Qwen2Config(
-        vocab_size=len(tok),
-        hidden_size=1024,
-        intermediate_size=2816,
-        num_hidden_layers=4,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        max_position_embeddings=1024,
-        attn_implementation="sdpa",
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    cfg = small_qwen2_config(vocab_size=len(tok))
     torch.manual_seed(0)
     model = Qwen2ForCausalLM._from_config(cfg, dtype=torch.bfloat16 if cuda else torch.float32)
     rollouts = Rollouts()

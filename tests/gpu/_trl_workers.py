@@ -10,13 +10,13 @@ import torch
 
 def grpo_rollouts(tmpdir: str, deepcompile: bool, script: str | None = None) -> dict:
     """Train 4 GRPO steps, evaluating after steps 2 and 4; what each rollout's decoding did."""
+    from fixtures import trl_jobs
     from trl import GRPOConfig, GRPOTrainer
 
     import hf_zero3
-    from hf_zero3.testing import mark, trl_jobs
-    from hf_zero3.testing.configs import trainer_zero3_config
+    from hf_zero3.testing import mark, tiny_tokenizer, trainer_zero3_config
 
-    tok = trl_jobs.tiny_tokenizer()
+    tok = tiny_tokenizer()
     ds = trainer_zero3_config()
     if deepcompile:
         ds["compile"] = {"deepcompile": True}
