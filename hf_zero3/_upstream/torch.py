@@ -169,6 +169,22 @@ def dynamo_graph_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def inductor_compile_module():
+    """``torch._inductor.compile_fx``: torch.compile's inductor backend calls this module's
+    ``compile_fx`` for each graph, looked up at each compile (the test launcher wraps it)."""
+    from torch._inductor import compile_fx
+
+    return compile_fx
+
+
+def probe_cpu_vec_isa() -> None:
+    """Inductor's probe of the CPU's vector ISA (test programs built and run once per process,
+    then cached): a process that forks ranks answers it for all of them."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    pick_vec_isa()
+
+
 # Dynamo does not guard on nn.Module hooks by default (``torch._dynamo.config.
 # skip_nnmodule_hook_guards``, True in torch 2.11-2.13): a compiled forward keeps running the hooks
 # it was traced with after hooks are added or removed. A decode step compiled once per model class

@@ -52,8 +52,8 @@ for _name in MODULES:
 # Inductor probes the CPU's vector ISA by building and running test programs, once per process
 # (an lru_cache): probed here, every forked rank that compiles inherits the answer.
 try:
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    from hf_zero3._upstream.torch import probe_cpu_vec_isa
 
-    pick_vec_isa()
+    probe_cpu_vec_isa()
 except Exception:  # no C++ toolchain: each rank finds out for itself, as it would unforked
     pass

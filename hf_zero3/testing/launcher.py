@@ -32,8 +32,6 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-__all__ = ["DistributedFailure", "RankReport", "mark", "run_ranks", "free_port"]
-
 _STATE_FILE: str | None = None
 
 #: Outcomes a rank can have, in the order a report lists the worst first.
@@ -213,8 +211,9 @@ def _compile_one_rank_at_a_time(lock_path: str) -> None:
     import fcntl
     import threading
 
-    from torch._inductor import compile_fx as module
+    from hf_zero3._upstream.torch import inductor_compile_module
 
+    module = inductor_compile_module()
     inner, depth = module.compile_fx, threading.local()
 
     def compile_fx(*args, **kwargs):

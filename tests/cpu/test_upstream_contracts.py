@@ -351,6 +351,27 @@ def test_dynamo_graph_counter_counts_a_compile():
     assert dynamo_graph_count() == before + 1
 
 
+def test_inductor_backend_calls_the_compile_fx_of_the_module_the_launcher_wraps(monkeypatch):
+    """run_ranks serializes a group's CPU compiles by replacing this module's ``compile_fx``:
+    torch.compile's inductor backend must look it up there at each compile."""
+    module = torch_up.inductor_compile_module()
+    seen = []
+
+    def stop(gm, *args, **kwargs):
+        seen.append(gm)
+        raise RuntimeError("stopped before compiling")
+
+    monkeypatch.setattr(module, "compile_fx", stop)
+    with pytest.raises(Exception, match="stopped before compiling"):
+        torch.compile(lambda x: x * 3 - 1, backend="inductor")(torch.ones(3))
+    assert len(seen) == 1
+
+
+def test_cpu_vec_isa_probe_runs():
+    """The fork server of run_ranks probes the CPU's vector ISA once for every rank it forks."""
+    torch_up.probe_cpu_vec_isa()
+
+
 def test_profiler_running_is_true_inside_a_torch_profiler_only():
     """The static loop opens its profiler ranges only while this says a profiler records."""
     assert torch_up.profiler_running() is False
