@@ -28,24 +28,6 @@ def dc_config(world_size: int, deepcompile: bool = True) -> dict:
     return cfg
 
 
-def llama_cfg():
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=32000,
-        hidden_size=1024,
-        intermediate_size=2816,
-        num_hidden_layers=4,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        max_position_embeddings=1024,
-        attn_implementation="sdpa",
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-
-
 def build(deepcompile: bool = True, compile_: bool = True, torch_adam: bool = False):
     import deepspeed
     import torch.distributed as dist
@@ -55,7 +37,7 @@ def build(deepcompile: bool = True, compile_: bool = True, torch_adam: bool = Fa
     ds = dc_config(dist.get_world_size(), deepcompile)
     if torch_adam:
         ds["optimizer"]["params"]["torch_adam"] = True
-    model = models.zero3_model(llama_cfg(), ds, seed=0, dtype=torch.bfloat16)
+    model = models.zero3_model(models.small_llama_config(), ds, seed=0, dtype=torch.bfloat16)
     engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
     if compile_:
         engine.compile()
@@ -210,9 +192,10 @@ def _dc_trainer(output_dir: str, **overrides):
         disable_tqdm=True,
     )
     fields.update(overrides)
-    cls = models.model_class_for(llama_cfg())
+    cfg = models.small_llama_config()
+    cls = models.model_class_for(cfg)
     torch.manual_seed(0)
-    model = cls._from_config(llama_cfg(), dtype=torch.bfloat16)
+    model = cls._from_config(cfg, dtype=torch.bfloat16)
     return Trainer(
         model=model,
         args=TrainingArguments(**fields),

@@ -4,7 +4,7 @@ _deepcompile_workers, bf16, ZeRO-3 default settings, DeepCompile."""
 from __future__ import annotations
 
 import torch
-from _deepcompile_workers import batch, build, dc_config, llama_cfg
+from _deepcompile_workers import batch, build, dc_config
 
 
 def _engine(setting: str, plan_kwargs: dict | None = None):
@@ -81,9 +81,10 @@ def accelerate_plugin(steps: int = 3):
     ds["hf_zero3"] = {"memory_plan": {"mode": "auto", "max_memory": "auto", "gate": True}}
     plugin = Zero3DeepSpeedPlugin(hf_ds_config=ds)
     accelerator = Accelerator(deepspeed_plugin=plugin, mixed_precision="bf16")
-    cls = models.model_class_for(llama_cfg())
+    cfg = models.small_llama_config()
+    cls = models.model_class_for(cfg)
     torch.manual_seed(0)
-    model = cls._from_config(llama_cfg(), dtype=torch.bfloat16)
+    model = cls._from_config(cfg, dtype=torch.bfloat16)
     engine, _ = accelerator.prepare(model, DummyOptim(model.parameters()))
     losses = []
     for s in range(steps):
@@ -104,25 +105,6 @@ def accelerate_plugin(steps: int = 3):
 USER_CAP_GIB = {1: 30.0, 2: 16.0}
 
 
-def llama_1b_config():
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=128256,
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        attn_implementation="sdpa",
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-
-
 def train_user_config(setting: str, steps: int = 12, cap_gib: float | None = None):
     """What a user writes: ``LlamaForCausalLM(config)`` handed to ``deepspeed.initialize`` (no
     zero.Init), ``gradient_checkpointing_enable()`` with transformers' defaults, DeepSpeed's default
@@ -134,7 +116,7 @@ def train_user_config(setting: str, steps: int = 12, cap_gib: float | None = Non
     from transformers import LlamaForCausalLM
 
     import hf_zero3
-    from hf_zero3.testing import mark
+    from hf_zero3.testing import llama_1b_shape_config, mark
 
     world, rank = dist.get_world_size(), dist.get_rank()
     cap = USER_CAP_GIB[world] if cap_gib is None else cap_gib
@@ -152,7 +134,7 @@ def train_user_config(setting: str, steps: int = 12, cap_gib: float | None = Non
     if setting != "plain":
         ds["compile"] = {"deepcompile": True}
     torch.manual_seed(0)
-    model = LlamaForCausalLM(llama_1b_config())
+    model = LlamaForCausalLM(llama_1b_shape_config())
     model.gradient_checkpointing_enable()
     engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
     planner = None
