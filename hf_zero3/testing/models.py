@@ -20,7 +20,7 @@ _LIVE_DS_CONFIGS: list[Any] = []
 
 
 def _shape(vocab, hidden, intermediate, layers, heads, kv_heads, positions, **rest) -> dict:
-    """A decoder's sizes, with the ids every config here uses: pad 0, bos 1, eos 2."""
+    """A decoder's sizes, with the ids every decoder config here uses: pad 0, bos 1, eos 2."""
     return dict(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -85,6 +85,7 @@ def qwen2_0_5b_shape_config(**overrides):
 
 
 def tiny_t5_config(**overrides):
+    """A T5 with 2 encoder and 2 decoder layers, d_model 32, 4 heads, vocab 96: the tests' encoder-decoder."""
     from transformers import T5Config
 
     kw = dict(
@@ -113,7 +114,7 @@ def tiny_tokenizer():
     template, for TRL trainers built on a tiny Qwen2.
 
     ``pad``/``bos``/``eos`` are ``<|endoftext|>``/``<|im_start|>``/``<|im_end|>`` with ids 0/1/2,
-    as in the configs here; ``len(tokenizer)`` is the vocab size a model needs. The chat template is
+    as in the decoder configs here; ``len(tokenizer)`` is the vocab size a model needs. The chat template is
     TRL's stored Qwen2.5 template verbatim, which TRL recognises: it adds the Qwen response parser
     for tool calls and finds the template prefix-preserving. The tool-call markup tokens are plain
     added tokens, as in Qwen2.5's vocabulary.
