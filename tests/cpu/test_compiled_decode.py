@@ -138,7 +138,7 @@ def test_compiled_stop_checks_are_late_and_alike_in_both_loops(results):
     COMPILED_SYNC_EVERY steps): the group stops one window after the check that saw every row done,
     the static loop and transformers' compiled loop check at the same steps, the tokens are eager
     decoding's; a rank that decodes eagerly beside a compiled one checks on the same schedule."""
-    from hf_zero3.generation.lockstep import COMPILED_SYNC_EVERY
+    from hf_zero3.generation.config import COMPILED_SYNC_EVERY
 
     for r in results:
         late, hf = r["compiled_late"], r["transformers_late"]
