@@ -63,7 +63,6 @@ class Zero3Safe(TrainerCallback):
         **lockstep_options,
     ):
         self.lockstep = lockstep_config(lockstep, **lockstep_options).validate()
-        self.gather = self.lockstep.gather
         self.memory_plan, self.trl = memory_plan, trl
         problems = check_versions("core")
         if problems:
@@ -73,6 +72,11 @@ class Zero3Safe(TrainerCallback):
             warnings.warn(msg, stacklevel=2)
         self._trainer = None
         self._warned_uncompiled = False
+
+    @property
+    def gather(self) -> str:
+        """How eval regions gather: the lockstep config's ``gather``."""
+        return self.lockstep.gather
 
     @property
     def trainer(self):
