@@ -39,19 +39,7 @@ if not torch.cuda.is_available():
 import torch.distributed as dist  # noqa: E402
 from transformers import LogitsProcessor, LogitsProcessorList, Qwen2ForCausalLM  # noqa: E402
 
-from hf_zero3.testing import ForwardCounter  # noqa: E402
-
-PROMPTS = [
-    "Say hi.",
-    "Count to 3.",
-    "Name a color.",
-    "Add 2 and 2.",
-    "Spell cat.",
-    "Pick a number.",
-    "Say bye.",
-    "Name a fruit.",
-]
-
+from hf_zero3.testing import ForwardCounter, chat_prompts, length_reward  # noqa: E402
 
 TOOL_CALL = '<tool_call>{"name":"ping","arguments":{}}</tool_call>'
 
@@ -59,11 +47,6 @@ TOOL_CALL = '<tool_call>{"name":"ping","arguments":{}}</tool_call>'
 def ping() -> str:
     """Answer with pong."""
     return "pong"
-
-
-def length_reward(completions, **kwargs) -> list[float]:
-    """Shorter completions score higher."""
-    return [-len(str(c)) / 100.0 for c in completions]
 
 
 class RankZeroCallsTheTool(LogitsProcessor):
@@ -137,7 +120,6 @@ def main():
     args = parse_args()
     cuda = torch.cuda.is_available()
     import deepspeed
-    from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
     import hf_zero3
@@ -185,7 +167,7 @@ def main():
     if args.tools:
         model.tools_tokenizer = tokenizer  # rank 0 calls ping, the others never
 
-    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in PROMPTS]})
+    dataset = chat_prompts()
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=length_reward,

@@ -61,30 +61,6 @@ if set(_asked) - set(SETTINGS) or "trl_default" not in _asked:
     raise SystemExit(f"BENCH_TRL_SETTINGS takes names of {', '.join(SETTINGS)}, trl_default (the baseline) among them")
 
 
-PROMPTS = [
-    "Say hi.",
-    "Count to 3.",
-    "Name a color.",
-    "Add 2 and 2.",
-    "Spell cat.",
-    "Pick a number.",
-    "Say bye.",
-    "Name a fruit.",
-]
-
-
-def _prompts():
-    """The GRPO prompts: conversations TRL formats with the tokenizer's chat template."""
-    from datasets import Dataset
-
-    return Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in PROMPTS]})
-
-
-def length_reward(completions, **kwargs) -> list[float]:
-    """Shorter completions score higher (the rewards are not what is measured)."""
-    return [-len(str(c)) / 100.0 for c in completions]
-
-
 def _config(cuda: bool, vocab: int):
     from hf_zero3.testing import models
 
@@ -188,7 +164,7 @@ def grpo_rank(tmpdir: str):
     from trl import GRPOConfig, GRPOTrainer
 
     import hf_zero3
-    from hf_zero3.testing import mark, tiny_tokenizer, trainer_zero3_config
+    from hf_zero3.testing import chat_prompts, length_reward, mark, tiny_tokenizer, trainer_zero3_config
 
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -229,7 +205,7 @@ def grpo_rank(tmpdir: str):
             model=model,
             reward_funcs=length_reward,
             args=args,
-            train_dataset=_prompts(),
+            train_dataset=chat_prompts(),
             processing_class=tok,
             callbacks=callbacks,
         )

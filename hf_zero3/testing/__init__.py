@@ -1,5 +1,5 @@
-"""Test utilities: a multi-process launcher, strict ZeRO-3 configs, models built in code and a
-collective spy.
+"""Test utilities: a multi-process launcher, strict ZeRO-3 configs, models built in code, a
+collective spy, and prompts and a reward for TRL trainers.
 
 Public so users can test their own integration the way hf_zero3 tests itself.
 """
@@ -20,6 +20,7 @@ from .models import (
     zero3_model,
 )
 from .spy import CollectiveSpy, ForwardCounter
+from .trl_data import CHAT_PROMPTS, chat_prompts, length_reward
 
 __all__ = [
     "run_ranks",
@@ -43,4 +44,7 @@ __all__ = [
     "unsharded_copy",
     "CollectiveSpy",
     "ForwardCounter",
+    "CHAT_PROMPTS",
+    "chat_prompts",
+    "length_reward",
 ]

@@ -311,7 +311,7 @@ def _compiled_grpo_graphs(tmpdir, shim: bool):
         model=trl_jobs._model(tok),
         reward_funcs=trl_jobs.length_reward,
         args=args,
-        train_dataset=trl_jobs._prompts(),
+        train_dataset=trl_jobs.chat_prompts(),
         processing_class=tok,
         callbacks=[hf_zero3.Zero3Safe(), graphs],
     )
@@ -404,7 +404,7 @@ def _log_completions(tmpdir, fixed: bool):
 
     trainer = trl_jobs.grpo_trainer(tmpdir, callbacks=[hf_zero3.Zero3Safe()] if fixed else [])
     trainer.args.per_device_eval_batch_size = 1
-    trainer.eval_dataset = trl_jobs._prompts(3)
+    trainer.eval_dataset = trl_jobs.chat_prompts(3)
     logger = LogCompletionsCallback(trainer, freq=1)
     # datasets 5 returns a Column, which accelerate's split_between_processes does not split (every
     # rank generates every prompt); a list (datasets < 4, or any list-backed eval set) is split

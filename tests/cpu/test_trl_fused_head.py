@@ -121,7 +121,7 @@ def _grpo_head_rank(tmpdir: str, deepcompile: bool, torch_compile: bool, peft: b
         model=model,
         reward_funcs=trl_jobs.length_reward,
         args=args,
-        train_dataset=trl_jobs._prompts(),
+        train_dataset=trl_jobs.chat_prompts(),
         processing_class=tok,
         callbacks=[hf_zero3.Zero3Safe()],
         peft_config=peft_config,

@@ -50,12 +50,12 @@ def grpo_deepcompile(tmpdir: str, gradient_checkpointing: bool = True):
     generates before every step and evaluates, and the training graphs are compiled once."""
     import logging
 
-    from fixtures.trl_jobs import GraphCount, _prompts, length_reward
+    from fixtures.trl_jobs import GraphCount
     from transformers import Qwen2ForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
     import hf_zero3
-    from hf_zero3.testing import small_qwen2_config, tiny_tokenizer, trainer_zero3_config
+    from hf_zero3.testing import chat_prompts, length_reward, small_qwen2_config, tiny_tokenizer, trainer_zero3_config
 
     tok = tiny_tokenizer()
     ds = trainer_zero3_config(extra={"compile": {"deepcompile": True}, "bf16": {"enabled": True}})
@@ -93,8 +93,8 @@ def grpo_deepcompile(tmpdir: str, gradient_checkpointing: bool = True):
         model=model,
         reward_funcs=length_reward,
         args=args,
-        train_dataset=_prompts(),
-        eval_dataset=_prompts(4),
+        train_dataset=chat_prompts(),
+        eval_dataset=chat_prompts(4),
         processing_class=tok,
         callbacks=[hf_zero3.Zero3Safe(), graphs],
     )
@@ -116,12 +116,11 @@ def grpo_compiled_decode(tmpdir: str, steps: int = 3, cuda: bool = True):
     """TRL's GRPO under plain ZeRO-3 with ``Zero3Safe(decode="compiled")``: every rollout (TRL's
     gathered model, TRL's default sampling) runs hf_zero3's static loop with CUDA graphs and the
     grouped-heads attention; per rollout, whether it replayed the last one's graphs."""
-    from fixtures.trl_jobs import _prompts, length_reward
     from transformers import Qwen2ForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     import hf_zero3
-    from hf_zero3.testing import small_qwen2_config, tiny_tokenizer, trainer_zero3_config
+    from hf_zero3.testing import chat_prompts, length_reward, small_qwen2_config, tiny_tokenizer, trainer_zero3_config
 
     class Rollouts(TrainerCallback):
         def __init__(self):
@@ -167,7 +166,7 @@ def grpo_compiled_decode(tmpdir: str, steps: int = 3, cuda: bool = True):
         model=model,
         reward_funcs=length_reward,
         args=args,
-        train_dataset=_prompts(),
+        train_dataset=chat_prompts(),
         processing_class=tok,
         callbacks=[hf_zero3.Zero3Safe(decode="compiled"), rollouts],
     )

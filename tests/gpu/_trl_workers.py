@@ -53,8 +53,8 @@ def grpo_rollouts(tmpdir: str, deepcompile: bool, script: str | None = None) -> 
         model=model,
         reward_funcs=trl_jobs.length_reward,
         args=args,
-        train_dataset=trl_jobs._prompts(),
-        eval_dataset=trl_jobs._prompts(8),
+        train_dataset=trl_jobs.chat_prompts(),
+        eval_dataset=trl_jobs.chat_prompts(8),
         processing_class=tok,
         callbacks=[hf_zero3.Zero3Safe(), graphs],
     )
