@@ -354,13 +354,52 @@ def replace_pending_schedule(engine, schedule) -> bool:
 
     if not engine_is_compiled(engine) or engine_global_steps(engine) > 0:
         return False
-    if dc_backend.profiling_results or getattr(dc_backend, "next_passes", None):
+    launched_early = _LAUNCHED_EARLY in vars(engine)
+    if dc_backend.profiling_results or (getattr(dc_backend, "next_passes", None) and not launched_early):
         return False  # the first compiled forward already launched step 0's passes
     from deepspeed.compile.passes.contract import validate_schedule
 
     validate_schedule(schedule, dc_backend.opt_passes)
     fns = [(step, [p if callable(p) else dc_backend.opt_passes[p] for p in passes]) for step, passes in schedule]
     dc_backend.init_schedule(fns)
+    if launched_early:  # step 0's passes were launched before a rollout: launch the new ones alike
+        engine.__dict__.pop(_LAUNCHED_EARLY)
+        launch_pending_compile_passes(engine)
+    return True
+
+
+# DeepCompile launches the passes scheduled for a step at that step's first training forward, and
+# launching resets Dynamo process-wide (``torch._dynamo.reset()`` in ``launch_compile_passes``,
+# deepspeed/compile/backend.py, DeepSpeed 0.19.8; no upstream issue found): every function compiled
+# before it compiles again at its next call. A rollout before the first training step (GRPO's first
+# step generates, then trains) compiled the static loop, which DeepCompile's step-0 launch then
+# discarded, so the second rollout compiled it again (~26 s at a 0.5B shape, RESULTS.md).
+_LAUNCHED_EARLY = "_hf_zero3_passes_launched_early"
+
+
+def passes_pending_at(step: int) -> bool:
+    """DeepCompile's process-wide schedule still holds passes to launch at global step ``step``
+    (``remaining_schedule``, a deque of ``(step, passes)``, its head the next to launch)."""
+    from deepspeed.compile import backend as dc_backend
+
+    pending = getattr(dc_backend, "remaining_schedule", None)
+    return bool(pending) and pending[0][0] == step
+
+
+def launch_pending_compile_passes(engine) -> bool:
+    """Launch now the DeepCompile passes the engine's next training forward would launch first
+    (those scheduled for its current global step, if still pending), so that Dynamo's reset comes
+    before the functions a caller is about to compile, not after them; that forward then finds
+    nothing to launch. The same launch DeepSpeed makes, with the same global step, at an earlier
+    moment of the same step: every rank decides alike (same schedule, same step). True if it launched."""
+    launch = getattr(engine, "launch_compile_passes", None)
+    if launch is None or not deepcompile_active(engine):
+        return False
+    step = engine_global_steps(engine)
+    if not passes_pending_at(step):
+        return False
+    launch(step)
+    engine.__dict__[_LAUNCHED_EARLY] = step
     return True
 
 

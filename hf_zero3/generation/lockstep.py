@@ -184,6 +184,9 @@ class Zero3GenerationMixin:
         ):
             # either loop's prompt forward would move each static layer's fill count with a host sync
             hf_up.static_cache_counters_on(hf_up.generation_cache(model_kwargs), input_ids.device)
+            # DeepCompile's next training forward would reset Dynamo and discard what compiles here:
+            # its pending passes launch (and reset) now, before the loop compiles
+            ds_up.launch_pending_compile_passes(call.rt.engine)
             why = static_loop.unsupported(
                 self,
                 logits_processor,

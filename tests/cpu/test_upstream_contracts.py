@@ -170,6 +170,7 @@ def _deepspeed_engine_contracts():
         ds_up.accumulation_boundary(object()),
     )
     out["deepcompile_supported"] = ds_up.deepcompile_supported()
+    out["launch_early"] = ds_up.launch_pending_compile_passes(engine)  # no DeepCompile: nothing to launch
 
     from deepspeed.runtime.rollout import HybridEngineRollout
 
@@ -197,6 +198,7 @@ def test_engine_accessors(engine_contracts):
     assert engine_contracts["engine"] == (True, True, 0, 3, False, False, False)
     assert engine_contracts["pending"]
     assert engine_contracts["boundary"] == (True, True, True)  # accumulation 1: every step is a boundary
+    assert engine_contracts["launch_early"] is False
 
 
 def test_the_engines_forward_prologue_hooks_are_found_and_put_back_in_order(engine_contracts):
@@ -262,6 +264,29 @@ def test_deepcompile_pass_table_and_param_manager():
     manager = DSGraphParamManager(graph, [torch.zeros(2, 2)], [(0, 7, (2, 2))])
     assert ds_up.graph_param_ids({3: manager}, 3) == {7} and ds_up.graph_param_ids({}, 3) == set()
     assert set(ds_up.profile_meta_defaults())
+
+
+def test_deepcompile_launch_pops_the_steps_passes_and_resets_dynamo():
+    """What launching a step's passes before a rollout relies on (``launch_pending_compile_passes``):
+    the schedule's head is the next step to launch, a launch pops it (so the training forward's own
+    launch at that step finds nothing), and the launch is where Dynamo is reset."""
+    import inspect
+
+    from deepspeed.compile import backend
+
+    src = inspect.getsource(backend.launch_compile_passes)
+    assert "remaining_schedule.popleft()" in src and "torch._dynamo.reset()" in src
+    saved = backend.remaining_schedule  # None until an engine compiles
+    fn = lambda *a: None  # noqa: E731
+    try:
+        backend.init_schedule([(0, [fn]), (5, [fn])])
+        assert ds_up.passes_pending_at(0) and not ds_up.passes_pending_at(1) and not ds_up.passes_pending_at(5)
+        backend.remaining_schedule.popleft()  # what the launch at step 0 does
+        assert ds_up.passes_pending_at(5) and not ds_up.passes_pending_at(0)
+        backend.init_schedule([])
+        assert not ds_up.passes_pending_at(0)
+    finally:
+        backend.remaining_schedule = saved
 
 
 def test_deepcompile_profiling_result_fields():

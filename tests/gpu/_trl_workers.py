@@ -58,8 +58,22 @@ def grpo_rollouts(tmpdir: str, deepcompile: bool, script: str | None = None) -> 
         processing_class=tok,
         callbacks=[hf_zero3.Zero3Safe(), graphs],
     )
+    # Each Dynamo reset (DeepCompile's, at a launch of its passes) and the Dynamo graphs the
+    # rollouts finished before it had compiled: what a reset there would throw away.
+    resets = []
+    reset = torch._dynamo.reset
+
+    def reset_spy():
+        last = hf_zero3.runtime_of(trainer.model).last_generate
+        resets.append(last.compiles if last is not None else 0)
+        reset()
+
+    torch._dynamo.reset = reset_spy
     mark(f"GRPO deepcompile={deepcompile} script={script}")
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        torch._dynamo.reset = reset
     res = trl_jobs._result(trainer)
     last = hf_zero3.runtime_of(trainer.model).last_generate
     evals = [v for h in res["logs"] for k, v in h.items() if k.startswith("eval_") and isinstance(v, float)]
@@ -76,4 +90,5 @@ def grpo_rollouts(tmpdir: str, deepcompile: bool, script: str | None = None) -> 
         sync_every=last.sync_every,
         late_checks=last.late_checks,
         finite=all(math.isfinite(x) for x in res["losses"] + evals),
+        resets=resets,
     )
