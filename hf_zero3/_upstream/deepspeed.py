@@ -373,7 +373,7 @@ def replace_pending_schedule(engine, schedule) -> bool:
 # deepspeed/compile/backend.py, DeepSpeed 0.19.8; no upstream issue found): every function compiled
 # before it compiles again at its next call. A rollout before the first training step (GRPO's first
 # step generates, then trains) compiled the static loop, which DeepCompile's step-0 launch then
-# discarded, so the second rollout compiled it again (~26 s at a 0.5B shape, RESULTS.md).
+# discarded, so the second rollout compiled it again (benchmarks/RESULTS.md, TRL rollouts).
 _LAUNCHED_EARLY = "_hf_zero3_passes_launched_early"
 
 

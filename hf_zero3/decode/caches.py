@@ -23,7 +23,7 @@ _TAIL_FAILED: list = []  # why the greedy tail did not compile (then it runs eag
 # -- kept across release(): they hold no model, no buffer and no graph, and forgetting them would
 # cost what release() is not for. A new torch.compile of the same function is a new backend to
 # Dynamo, so a dropped compiled function compiles the prompt forward, the decode step or the tail
-# again (~25 s each at a 0.5B shape); the TF32 setting is the one those functions were compiled
+# again (tens of seconds: benchmarks/RESULTS.md); the TF32 setting is the one those functions were compiled
 # under, and a forgotten one lets a trainer's flip recompile them (see compiled._tf32_pinned).
 _COMPILED: dict = {}  # (model class, dependent launches) -> its compiled __call__
 _ONCE: dict = {}  # function -> its torch.compile(fullgraph=True), built at first use

@@ -126,7 +126,7 @@ def _tf32_pinned():
     """TF32 matmuls on or off as in the process's first static-loop call, for this call. Dynamo
     guards a compiled function on that global setting, and a trainer that flips it between
     rollouts (GRPO under DeepCompile did) recompiled the prompt forward and the decode step at the
-    next rollout (~25 s each at a 0.5B shape); with the setting pinned they keep one graph."""
+    next rollout (tens of seconds each); with the setting pinned they keep one graph."""
     now = torch.backends.cuda.matmul.allow_tf32
     if not _TF32:
         _TF32.append(now)
