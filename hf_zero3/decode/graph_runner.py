@@ -94,7 +94,7 @@ class _Runner:
 
 
 class _Snapshot:
-    """A late stop check's value (:func:`hf_zero3.generation.lockstep.stop_schedule`): at each
+    """A late stop check's value (:func:`hf_zero3.generation.config.stop_schedule`): at each
     check, whether some row was unfinished at the previous check. The flag is copied to pinned
     host memory after the steps queued before a check and read at the next one, when those steps
     have long run (the GPU is decoding the steps queued after them): no check waits for the GPU."""

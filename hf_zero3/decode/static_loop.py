@@ -14,7 +14,7 @@ on CPU the same steps run one by one.
 Lockstep semantics are those of the transformers loop it replaces under compiled decoding
 (:mod:`hf_zero3.generation.lockstep`): the same agreed step budget, a stop agreement every
 ``sync_every`` steps on the previous check's flags (``stop="sync"``;
-:func:`~hf_zero3.generation.lockstep.stop_schedule`: the flags are a device copy read one check
+:func:`~hf_zero3.generation.config.stop_schedule`: the flags are a device copy read one check
 late, so no check waits for the GPU) or none (``stop="fixed"``), the same number of forwards on
 every rank, EOS masking with the pad token, and the same output (a rank's output ends where its own
 rows were all done). Ranks that take this loop and ranks that take transformers' loop (compiled or

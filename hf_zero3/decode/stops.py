@@ -1,6 +1,6 @@
 """What the static loop needs from the lockstep call it decodes for (:class:`StopAgreement`): the
 group's stop schedule, one stop agreement at a time, and where the loop's outcome goes. Lockstep's
-call implements it (:mod:`hf_zero3.generation.lockstep`); the loop reads nothing else of lockstep,
+call implements it (:class:`hf_zero3.generation.call.LockstepCall`); the loop reads nothing else of lockstep,
 and agrees nothing on its own."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from .features import DecodeReport
 @dataclass(frozen=True)
 class StopSchedule:
     """When the group agrees to stop, settled before the loop starts
-    (:func:`hf_zero3.generation.lockstep.stop_schedule`)."""
+    (:func:`hf_zero3.generation.config.stop_schedule`)."""
 
     budget: int  # the group's agreed step budget: forwards, the prompt's included
     every: int  # steps between two stop agreements

@@ -144,9 +144,14 @@ class LockstepCall(StopAgreement):
         else:
             go = self.agree_unfinished(not this_peer_finished)
         if not go:
-            self.stats.forwards = k
-            self.stats.extra_forwards = k - (self.done_at if self.done_at is not None else k)
+            self._count_forwards(k, self.done_at)
         return go
+
+    def _count_forwards(self, forwards: int, done_at: int | None) -> None:
+        """The call ran ``forwards`` forwards; this rank's rows were all done after ``done_at`` of
+        them (None: never), so the rest kept the group in step."""
+        self.stats.forwards = forwards
+        self.stats.extra_forwards = forwards - (done_at if done_at is not None else forwards)
 
     def agree_unfinished(self, unfinished: bool) -> bool:
         """The stop agreement: does any rank of the group still have unfinished rows? With late
@@ -177,8 +182,7 @@ class LockstepCall(StopAgreement):
         done_at = outcome.done_at
         if self.rt.join is not None:
             done_at = 0  # a joining rank's rows are placeholders, done from the start
-        self.stats.forwards = outcome.forwards
-        self.stats.extra_forwards = outcome.forwards - (done_at if done_at is not None else outcome.forwards)
+        self._count_forwards(outcome.forwards, done_at)
         self.stats.loop = "hf_zero3"
         self.stats.graph_steps = outcome.graph_steps
         self.stats.graph_capture_s = outcome.capture_s
