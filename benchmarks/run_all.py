@@ -22,6 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 BENCHMARKS = {  # name -> (script, what it measures)
     "generation": ("generation/bench_generation.py", "lockstep generation vs synced_gpus and fixed steps"),
     "decode": ("generation/bench_decode.py", "compiled static decode loop vs HF eager and static cache"),
+    "first_call": ("generation/bench_first_call.py", "a process's first compiled rollout from empty and warm caches"),
     "eval": ("eval/bench_eval.py", "eval under DeepCompile vs plain ZeRO-3 hooks"),
     "memory": ("memory/bench_memory.py", "memory plan vs plain ZeRO-3 and DeepSpeed's default schedule"),
     "agreements": ("agreements/bench_agreements.py", "cost of tagged agreements"),

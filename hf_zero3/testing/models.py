@@ -40,6 +40,7 @@ def _shape(vocab, hidden, intermediate, layers, heads, kv_heads, positions, **re
 _TINY = _shape(96, 32, 64, 2, 4, 2, 256, attn_implementation="eager")
 _SMALL = _shape(32000, 1024, 2816, 4, 16, 8, 1024, attn_implementation="sdpa")
 _LLAMA_1B = _shape(128256, 2048, 8192, 16, 32, 8, 2048, tie_word_embeddings=True, attn_implementation="sdpa")
+_LLAMA_8B = _shape(128256, 4096, 14336, 32, 32, 8, 2048, rope_theta=5e5, attn_implementation="sdpa")
 _QWEN2_0_5B = _shape(
     151936, 896, 4864, 24, 14, 2, 32768, rope_theta=1e6, tie_word_embeddings=True, attn_implementation="sdpa"
 )
@@ -76,6 +77,12 @@ def llama_1b_shape_config(**overrides):
     """Llama-3.2-1B's sizes (hidden 2048, intermediate 8192, 16 layers, GQA 32/8, vocab 128256,
     tied embeddings), SDPA; random weights once built."""
     return _config("LlamaConfig", _LLAMA_1B, overrides)
+
+
+def llama_8b_shape_config(**overrides):
+    """Llama-3-8B's sizes (hidden 4096, intermediate 14336, 32 layers, GQA 32/8, vocab 128256,
+    untied embeddings), SDPA; random weights once built."""
+    return _config("LlamaConfig", _LLAMA_8B, overrides)
 
 
 def qwen2_0_5b_shape_config(**overrides):
