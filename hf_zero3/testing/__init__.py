@@ -8,6 +8,7 @@ from .configs import STRICT_ZERO3, strict_zero3_config, trainer_zero3_config
 from .launcher import DistributedFailure, RankReport, free_port, mark, run_ranks
 from .models import (
     llama_1b_shape_config,
+    llama_8b_shape_config,
     plain_model,
     qwen2_0_5b_shape_config,
     small_llama_config,
@@ -37,6 +38,7 @@ __all__ = [
     "small_llama_config",
     "small_qwen2_config",
     "llama_1b_shape_config",
+    "llama_8b_shape_config",
     "qwen2_0_5b_shape_config",
     "tiny_tokenizer",
     "zero3_model",
