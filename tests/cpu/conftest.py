@@ -20,6 +20,7 @@ LONG_MODULES_FIRST = (
     "test_compiled_decode.py",
     "test_lockstep_generation.py",
     "test_compiled_batch_sizes.py",
+    "test_compiled_buckets.py",
     "test_trl_fast_rollouts.py",
     "test_agree_or_raise.py",
 )
