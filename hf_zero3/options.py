@@ -50,8 +50,11 @@ def parse_choice(name: str, raw: str, choices: tuple[str, ...]) -> str:
         ) from None
 
 
-def _option(env: str, default, doc: str, choices: tuple[str, ...] = ()):
-    return field(default=None, metadata={"env": env, "default": default, "doc": doc, "choices": choices})
+def _option(env: str, default, doc: str, choices: tuple[str, ...] = (), rollout=None):
+    """A :class:`DecodeOptions` field: its variable, default and doc line; ``rollout``: another
+    default for the rollouts of a TRL trainer ``Zero3Safe`` adapted (None: the same)."""
+    meta = {"env": env, "default": default, "doc": doc, "choices": choices}
+    return field(default=None, metadata=meta if rollout is None else dict(meta, rollout=rollout))
 
 
 @dataclass(frozen=True)
@@ -80,8 +83,11 @@ class DecodeOptions:
             warning where they cannot, ``"off"`` never (``HF_ZERO3_PDL``: one of them or a switch,
             on meaning ``"auto"``; default ``"auto"``).
         compile_prefill: compile the prompt's forward too (``HF_ZERO3_COMPILE_PREFILL``; default
-            on; off: eager, without DeepSpeed's per-linear autograd Function: a process's first
-            call about 40 % shorter, each rollout's prompt forward slower at small models).
+            on, off in the rollouts of a TRL trainer ``Zero3Safe`` adapted; off: eager, without
+            DeepSpeed's per-linear autograd Function). Compiled, a call's prompt forward is faster
+            at small models (1.05x a Llama-1B rollout) and a process's first call about twice as
+            long; in a GRPO step the training dwarfs the prompt forward (the same rollout seconds,
+            a first step 51 s shorter from empty caches: see benchmarks/RESULTS.md).
     """
 
     fuse_qkv: bool | None = _option("HF_ZERO3_FUSE_QKV", True, "q/k/v projections of a decode step as one GEMM")
@@ -100,7 +106,7 @@ class DecodeOptions:
         "HF_ZERO3_PDL", "auto", "decode kernels as programmatic dependent launches", ("auto", "on", "off")
     )
     compile_prefill: bool | None = _option(
-        "HF_ZERO3_COMPILE_PREFILL", True, "the static loop compiles the prompt's forward"
+        "HF_ZERO3_COMPILE_PREFILL", True, "the static loop compiles the prompt's forward", rollout=False
     )
 
     def __post_init__(self):
@@ -113,10 +119,11 @@ class DecodeOptions:
             if not choices and not isinstance(value, bool):
                 raise ValueError(f"DecodeOptions.{f.name} must be True, False or None, not {value!r}")
 
-    def resolved(self, env: Mapping[str, str] | None = None) -> "DecodeOptions":
+    def resolved(self, env: Mapping[str, str] | None = None, rollout: bool = False) -> "DecodeOptions":
         """Every field set: this object's value, else its environment variable's (``env``:
-        ``os.environ``), else the default. A malformed variable raises ``ValueError`` (a lockstep
-        call reads it inside the call, so every rank raises)."""
+        ``os.environ``), else the default (``rollout``: the call is a rollout of a TRL trainer
+        ``Zero3Safe`` adapted, whose defaults differ where a field says so). A malformed variable
+        raises ``ValueError`` (a lockstep call reads it inside the call, so every rank raises)."""
         env = os.environ if env is None else env
         values = {}
         for f in fields(self):
@@ -124,7 +131,7 @@ class DecodeOptions:
             if value is None:
                 raw = env.get(f.metadata["env"], "")
                 if not raw.strip():
-                    value = f.metadata["default"]
+                    value = f.metadata.get("rollout", f.metadata["default"]) if rollout else f.metadata["default"]
                 elif f.metadata["choices"]:
                     value = parse_choice(f.metadata["env"], raw, f.metadata["choices"])
                 else:

@@ -38,7 +38,8 @@ Llama-style SiLU MLPs with :mod:`.mlp_kernels` (the gate/up pair as one Triton k
 gradient checkpointing's input-require-grads hook off (nothing for them to do in a gathered region
 under ``no_grad``). The prompt's forward is compiled too (its own function, the prompt length
 dynamic: one graph per batch size for every prompt length; eager, without DeepSpeed's per-linear
-autograd Function, where it does not compile or with ``DecodeOptions(compile_prefill=False)``) and
+autograd Function, where it does not compile or with ``DecodeOptions(compile_prefill=False)``, the
+default in a TRL trainer's rollouts) and
 queued before the loop is looked up, so that host work overlaps it. Greedy steps without processors
 end in one compiled tail (the argmax of the model's logits in two stages, the same token as their
 float32 copy's; EOS masking and the token bookkeeping).

@@ -83,7 +83,7 @@ class Zero3GenerationMixin:
             _refuse_rank_divergent_options(cfg, args, kwargs)
             want, why = compiled_decode.resolve(self, cfg.decode, kwargs, trl=rt.trl_trainer)
             own_only = want and compiled_decode.own_loop_only(self, cfg.decode, kwargs)
-            options = (cfg.decode_options or DecodeOptions()).resolved()
+            options = (cfg.decode_options or DecodeOptions()).resolved(rollout=rt.trl_trainer is not None)
             if want:
                 compiled_decode.prepare(self, args, kwargs, cfg.bucket)
         except Exception as exc:  # shared at the call's first agreement: every rank raises it

@@ -1,7 +1,7 @@
 """DecodeOptions: one grammar for every decode switch, explicit values over the environment,
 defaults the measured best, and bad values refused by name."""
 
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import pytest
 
@@ -29,6 +29,13 @@ def test_defaults_are_every_part_on_and_attention_by_the_sm_count():
         dependent_launches="auto",
         compile_prefill=True,
     )
+
+
+def test_a_trl_rollout_compiles_the_prompt_forward_only_when_asked():
+    rollout = DecodeOptions().resolved({}, rollout=True)
+    assert rollout == replace(DecodeOptions().resolved({}), compile_prefill=False)
+    assert DecodeOptions(compile_prefill=True).resolved({}, rollout=True).compile_prefill is True
+    assert DecodeOptions().resolved({"HF_ZERO3_COMPILE_PREFILL": "1"}, rollout=True).compile_prefill is True
 
 
 @pytest.mark.parametrize("field", [f for f in fields(DecodeOptions) if not f.metadata["choices"]], ids=lambda f: f.name)

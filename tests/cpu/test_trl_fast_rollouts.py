@@ -5,7 +5,8 @@ hf_zero3's static loop, with the same fp32 tokens as TRL's own path (the same tr
 
 On CUDA ``Zero3Safe()``'s ``decode="auto"`` takes the static loop in these rollouts (TRL's
 ``disable_compile`` keeps only transformers' compiled loop off); on CPU "auto" decodes eagerly, so
-the test asks for ``decode="compiled"``. Both passes of a trainer run in one process: the second
+the test asks for ``decode="compiled"``. The prompt's forward runs eagerly, the rollouts' default
+(``DecodeOptions.compile_prefill``). Both passes of a trainer run in one process: the second
 trainer's model is built with the same seed, and TRL seeds its sampling alike."""
 
 import pytest
@@ -41,6 +42,9 @@ def _both_ways(tmpdir: str) -> dict:
             trainer.train()
             res = trl_jobs._result(trainer)
             out[name][way] = {k: res[k] for k in ("tokens", "loops", "losses")}
+            rt = hf_zero3.runtime_of(trainer.model, create=False)
+            last = rt.last_generate if rt is not None else None
+            out[name][way]["prefill"] = last.prefill if last is not None else None
     mark("done")
     return out
 
@@ -58,4 +62,6 @@ def test_rollouts_take_the_static_loop_with_trls_tokens(both_ways, name):
         assert ours["loops"] and {loop for loop, _ in ours["loops"]} == {"hf_zero3"}, (rank, ours["loops"])
         assert len(ours["tokens"]) == len(trl["tokens"]) > 0, rank
         assert ours["tokens"] == trl["tokens"], rank
+        # a rollout's prompt forward runs eagerly by default (DecodeOptions.compile_prefill)
+        assert ours["prefill"] == "eager", (rank, ours["prefill"])
         assert ours["losses"] == pytest.approx(trl["losses"], rel=1e-5, abs=1e-6), rank

@@ -18,9 +18,9 @@ def test_grpo_rollouts_take_the_static_loop_by_default(tmp_path, deepcompile):
     for r in _run(grpo_rollouts, str(tmp_path), deepcompile, timeout=540):
         assert r["loops"] and {loop for loop, _ in r["loops"]} == {"hf_zero3"}, r["loops"]
         assert r["decode"] == "compiled" and r["sync_every"] == COMPILED_SYNC_EVERY and r["late_checks"], r
-        # the chat-template prompts are left-padded to mixed lengths: the prompt forward still runs
-        # compiled (with a padding mask under DeepCompile it failed as it ran: pytorch/pytorch#196226)
-        assert r["prefill"] == "compiled" and r["prefill_reason"] is None, r
+        # a rollout's prompt forward runs eagerly by default (DecodeOptions.compile_prefill); compiled
+        # on left-padded prompts under DeepCompile: test_padded_prompts_prefill_compiled_under_deepcompile
+        assert r["prefill"] == "eager" and r["prefill_reason"] is None, r
         assert r["eval_logs"] == 2 and r["evals"] and r["finite"], r
         # the training graphs (DeepCompile's, or none) and the decode graphs compile in steps 1-2
         assert r["graphs"][-1] == r["graphs"][-2], r["graphs"]
