@@ -51,10 +51,13 @@ def parse_choice(name: str, raw: str, choices: tuple[str, ...]) -> str:
 
 
 def _option(env: str, default, doc: str, choices: tuple[str, ...] = (), rollout=None):
-    """A :class:`DecodeOptions` field: its variable, default and doc line; ``rollout``: another
-    default for the rollouts of a TRL trainer ``Zero3Safe`` adapted (None: the same)."""
-    meta = {"env": env, "default": default, "doc": doc, "choices": choices}
-    return field(default=None, metadata=meta if rollout is None else dict(meta, rollout=rollout))
+    """A :class:`DecodeOptions` field: its variable, default and doc line; ``rollout``: its default
+    in the rollouts of a TRL trainer ``Zero3Safe`` adapted (None: ``default``)."""
+    rollout = default if rollout is None else rollout
+    return field(
+        default=None,
+        metadata={"env": env, "default": default, "rollout": rollout, "doc": doc, "choices": choices},
+    )
 
 
 @dataclass(frozen=True)
@@ -85,9 +88,9 @@ class DecodeOptions:
         compile_prefill: compile the prompt's forward too (``HF_ZERO3_COMPILE_PREFILL``; default
             on, off in the rollouts of a TRL trainer ``Zero3Safe`` adapted; off: eager, without
             DeepSpeed's per-linear autograd Function). Compiled, a call's prompt forward is faster
-            at small models (1.05x a Llama-1B rollout) and a process's first call about twice as
-            long; in a GRPO step the training dwarfs the prompt forward (the same rollout seconds,
-            a first step 51 s shorter from empty caches: see benchmarks/RESULTS.md).
+            at small models and a process's first call is much longer; in a GRPO step the training
+            dwarfs the prompt forward, so there it costs first-step seconds for no rollout time
+            (benchmarks/RESULTS.md, First call and TRL rollouts).
     """
 
     fuse_qkv: bool | None = _option("HF_ZERO3_FUSE_QKV", True, "q/k/v projections of a decode step as one GEMM")
@@ -131,7 +134,7 @@ class DecodeOptions:
             if value is None:
                 raw = env.get(f.metadata["env"], "")
                 if not raw.strip():
-                    value = f.metadata.get("rollout", f.metadata["default"]) if rollout else f.metadata["default"]
+                    value = f.metadata["rollout" if rollout else "default"]
                 elif f.metadata["choices"]:
                     value = parse_choice(f.metadata["env"], raw, f.metadata["choices"])
                 else:
