@@ -91,6 +91,13 @@ class DecodeOptions:
             at small models and a process's first call is much longer; in a GRPO step the training
             dwarfs the prompt forward, so there it costs first-step seconds for no rollout time
             (benchmarks/RESULTS.md, First call and TRL rollouts).
+        compile_step: compile the decode step (``HF_ZERO3_COMPILE_STEP``; default on, off in the
+            rollouts of a TRL trainer ``Zero3Safe`` adapted; off: the model's own forward runs the
+            steps, with the kernels above, and CUDA graphs capture it as they capture the compiled
+            step). Off, a process compiles nothing for its first call (nor the greedy tail), and
+            each step launches more kernels, as the compiled step fuses the model's pointwise work:
+            a call decodes slower, which a GRPO step, where the training dominates, hardly shows
+            (benchmarks/RESULTS.md, First call and TRL rollouts).
     """
 
     fuse_qkv: bool | None = _option("HF_ZERO3_FUSE_QKV", True, "q/k/v projections of a decode step as one GEMM")
@@ -110,6 +117,9 @@ class DecodeOptions:
     )
     compile_prefill: bool | None = _option(
         "HF_ZERO3_COMPILE_PREFILL", True, "the static loop compiles the prompt's forward", rollout=False
+    )
+    compile_step: bool | None = _option(
+        "HF_ZERO3_COMPILE_STEP", True, "the static loop compiles the decode step", rollout=False
     )
 
     def __post_init__(self):

@@ -52,6 +52,7 @@ class _Loop:
         sample: bool,
         parts: list[features.Feature] = (),
         processors: list = (),
+        compile_step: bool = True,
     ):
         self.mask = torch.ones(batch, length, dtype=torch.long, device=device)
         self.pos = torch.zeros(batch, dtype=torch.long, device=device)
@@ -72,7 +73,8 @@ class _Loop:
         self.cache_small = None  # per layer, its small tensors (length counters) the graphs read
         self.cache_big = None  # per layer, the addresses of its other tensors (keys, values)
         self.warm = False  # a step ran (compiled, warmed up for capture) in this or an earlier call
-        self.compiled = True
+        self.compile_step = compile_step  # DecodeOptions.compile_step: off, the model's forward runs the steps
+        self.compiled = True  # False: the step's forward did not compile and runs eagerly, uncaptured
         self.model = self.cache = self.prompt = self.processors = None
 
     def start(
@@ -99,7 +101,14 @@ class _Loop:
         self.out[:, :budget].fill_(self.pad)
         self.alive.fill_(True)
         self.extra = _forward_kwargs(model)
-        self.call = _compiled_call(type(model), self.dependent) if self.compiled else type(model).__call__
+        compile_it = self.compiled and self.compile_step
+        self.call = _compiled_call(type(model), self.dependent) if compile_it else type(model).__call__
+
+    @property
+    def step_kind(self) -> str:
+        """How the decode steps ran: ``"compiled"``, or ``"eager"`` (asked for, or the forward did
+        not compile)."""
+        return "compiled" if self.compiled and self.compile_step else "eager"
 
     def bind(self) -> None:
         """After the prefill: each feature binds to this call's model and cache (the fused q/k/v
@@ -179,7 +188,7 @@ class _Loop:
             except _COMPILE_ERRORS as exc:
                 # Dynamo/inductor failed before running a kernel (a graph break, the recompile limit:
                 # a hook with Python state, say): this step and the rest run the forward eagerly
-                if not self.compiled:
+                if self.step_kind == "eager":
                     raise
                 why = f"the forward does not compile into one graph ({_why(exc)})"
                 _FAILED[self.model] = why
@@ -193,7 +202,7 @@ class _Loop:
     def _choose(self, logits: torch.Tensor) -> None:
         buffers = (self.unfinished, self.pad, self.eos, self.out, self.idx, self.own, self.alive, self.tok, self.pos)
         if not self.sample and not self.processors:
-            if not _TAIL_FAILED:
+            if self.compile_step and not _TAIL_FAILED:
                 try:
                     return _compiled_once(_greedy_tail)(logits, *buffers)
                 except _COMPILE_ERRORS as exc:  # before any kernel ran: the eager tail does the same

@@ -135,6 +135,7 @@ def _loop_for(
         bool(generation_config.do_sample),
         features.plan(model, device, attention, options),
         list(processors or ()),
+        options.compile_step,
     )
     if key is not None:
         kept[key[0]] = (key[1], loop)

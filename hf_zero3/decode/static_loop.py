@@ -149,6 +149,7 @@ def decode(
                 graphs_reused=runner.reused,
                 prefill=prefill,
                 prefill_reason=_PREFILL_FAILED.get(model),
+                step=loop.step_kind,
                 report=report,
             )
         )

@@ -29,13 +29,14 @@ class LoopOutcome:
 
     forwards: int  # forwards run, the prompt's included (the same on every rank)
     done_at: int | None  # the step this rank's rows were all done at (None: they ran to the end)
-    compiled: bool  # the steps ran the compiled forward
+    compiled: bool  # False: the step's forward did not compile (the steps ran eagerly, uncaptured)
     graph_steps: int  # decode steps per CUDA-graph launch (0: no CUDA graphs)
     capture_s: float = 0.0  # host seconds spent capturing CUDA graphs
     loop_reused: bool = False  # the static buffers came from an earlier call
     graphs_reused: bool = False  # replayed CUDA graphs an earlier call captured
     prefill: str | None = None  # the prompt's forward: "compiled" or "eager"
     prefill_reason: str | None = None  # why it ran eagerly (None: compiled, or not asked to compile)
+    step: str | None = None  # the decode steps' forward: "compiled" or "eager"
     report: DecodeReport | None = None  # the parts the steps computed their own way
 
 

@@ -189,6 +189,7 @@ class LockstepCall(StopAgreement):
         self.stats.loop_reused = outcome.loop_reused
         self.stats.graphs_reused = outcome.graphs_reused
         self.stats.prefill, self.stats.prefill_reason = outcome.prefill, outcome.prefill_reason
+        self.stats.step = outcome.step
         self.stats.decode_report = outcome.report if outcome.report is not None else DecodeReport()
         for why in self.stats.decode_report.fallbacks:  # a fenced function: the model's own code runs
             compiled_decode.say_once(f"the fast decode path keeps the model's own code: {why}", loud=outcome.compiled)

@@ -28,14 +28,17 @@ def test_defaults_are_every_part_on_and_attention_by_the_sm_count():
         triton_qkv=True,
         dependent_launches="auto",
         compile_prefill=True,
+        compile_step=True,
     )
 
 
-def test_a_trl_rollout_compiles_the_prompt_forward_only_when_asked():
+def test_a_trl_rollout_compiles_the_prompt_forward_and_the_step_only_when_asked():
     rollout = DecodeOptions().resolved({}, rollout=True)
-    assert rollout == replace(DecodeOptions().resolved({}), compile_prefill=False)
+    assert rollout == replace(DecodeOptions().resolved({}), compile_prefill=False, compile_step=False)
     assert DecodeOptions(compile_prefill=True).resolved({}, rollout=True).compile_prefill is True
     assert DecodeOptions().resolved({"HF_ZERO3_COMPILE_PREFILL": "1"}, rollout=True).compile_prefill is True
+    assert DecodeOptions(compile_step=True).resolved({}, rollout=True).compile_step is True
+    assert DecodeOptions().resolved({"HF_ZERO3_COMPILE_STEP": "on"}, rollout=True).compile_step is True
 
 
 @pytest.mark.parametrize("field", [f for f in fields(DecodeOptions) if not f.metadata["choices"]], ids=lambda f: f.name)

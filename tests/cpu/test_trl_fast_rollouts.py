@@ -5,9 +5,10 @@ hf_zero3's static loop, with the same fp32 tokens as TRL's own path (the same tr
 
 On CUDA ``Zero3Safe()``'s ``decode="auto"`` takes the static loop in these rollouts (TRL's
 ``disable_compile`` keeps only transformers' compiled loop off); on CPU "auto" decodes eagerly, so
-the test asks for ``decode="compiled"``. The prompt's forward runs eagerly, the rollouts' default
-(``DecodeOptions.compile_prefill``). Both passes of a trainer run in one process: the second
-trainer's model is built with the same seed, and TRL seeds its sampling alike."""
+the test asks for ``decode="compiled"``. The prompt's forward and the decode steps run eagerly,
+the rollouts' defaults (``DecodeOptions.compile_prefill``, ``DecodeOptions.compile_step``). Both
+passes of a trainer run in one process: the second trainer's model is built with the same seed,
+and TRL seeds its sampling alike."""
 
 import pytest
 
@@ -45,6 +46,7 @@ def _both_ways(tmpdir: str) -> dict:
             rt = hf_zero3.runtime_of(trainer.model, create=False)
             last = rt.last_generate if rt is not None else None
             out[name][way]["prefill"] = last.prefill if last is not None else None
+            out[name][way]["step"] = last.step if last is not None else None
     mark("done")
     return out
 
@@ -62,6 +64,7 @@ def test_rollouts_take_the_static_loop_with_trls_tokens(both_ways, name):
         assert ours["loops"] and {loop for loop, _ in ours["loops"]} == {"hf_zero3"}, (rank, ours["loops"])
         assert len(ours["tokens"]) == len(trl["tokens"]) > 0, rank
         assert ours["tokens"] == trl["tokens"], rank
-        # a rollout's prompt forward runs eagerly by default (DecodeOptions.compile_prefill)
-        assert ours["prefill"] == "eager", (rank, ours["prefill"])
+        # a rollout's prompt forward and decode steps run eagerly by default
+        # (DecodeOptions.compile_prefill, DecodeOptions.compile_step)
+        assert ours["prefill"] == "eager" and ours["step"] == "eager", (rank, ours["prefill"], ours["step"])
         assert ours["losses"] == pytest.approx(trl["losses"], rel=1e-5, abs=1e-6), rank

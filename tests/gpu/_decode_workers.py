@@ -160,3 +160,67 @@ def _teacher_forced(engine, seq, p: int, eos: int) -> dict:
     valid = torch.cumsum(torch.cumsum((gen == eos).long(), 1), 1) <= 1
     margin = (pred.max(-1).values - pred.gather(-1, gen[..., None]).squeeze(-1))[valid]
     return dict(max_margin=margin.max().item(), max_abs_logit=pred.abs().max().item(), tokens=int(valid.sum()))
+
+
+def eager_step_graphs(new_tokens: int = 40):
+    """The static loop with ``compile_step=False``: the model's own forward (with hf_zero3's
+    kernels) runs the decode steps, captured in CUDA graphs; against the same steps run one by one
+    (``graph_steps=0``) and the eager forward over the sequence (teacher-forced)."""
+    import os
+
+    import torch.distributed as dist
+
+    import hf_zero3
+
+    os.environ["HF_ZERO3_TRITON_ATTENTION"] = "always"  # the rope kernel too at this small batch
+    os.environ.pop("HF_ZERO3_FUSE_ROPE", None)
+    rank = dist.get_rank()
+    engine = build(deepcompile=False, compile_=False, torch_adam=True)
+    engine.eval()
+    module = engine.module
+    g = torch.Generator().manual_seed(rank)
+    ids = torch.randint(3, 32000, (4, 24 + 4 * rank), generator=g).to(engine.device)
+    options = hf_zero3.DecodeOptions(compile_step=False, compile_prefill=False)
+    kw = dict(gather="all", decode="compiled", max_new_tokens=new_tokens, pad_token_id=0, eos_token_id=2, sync_every=4)
+    out = {}
+    with torch.no_grad():
+        runs = {}
+        # "again" twice: the call after a loop's first may capture once more (see compiled_decode)
+        for name, steps in (("graphs", 8), ("plain", 0), ("again", 8), ("again", 8)):
+            runs[name] = hf_zero3.lockstep_generate(
+                engine, input_ids=ids, do_sample=False, graph_steps=steps, decode_options=options, **kw
+            )
+            st = module.hf_zero3_last_generate
+            out[name] = dict(
+                loop=st.loop,
+                decode=st.decode,
+                step=st.step,
+                prefill=st.prefill,
+                compiles=st.compiles,
+                graph_steps=st.graph_steps,
+                reused=st.graphs_reused,
+                forwards=st.forwards,
+                rope_attention=st.decode_report.rope_attention,
+                split_k=st.decode_report.split_k,
+            )
+        out["same"] = all(bool(torch.equal(runs["graphs"], runs[n])) for n in ("plain", "again"))
+        out["teacher_forced"] = _teacher_forced(engine, runs["graphs"], ids.shape[1], kw["eos_token_id"])
+        # sampling with processors, captured and step by step: the same tokens for the same seed
+        procs = []
+        for steps in (8, 0):
+            torch.manual_seed(7)
+            procs.append(
+                hf_zero3.lockstep_generate(
+                    engine,
+                    input_ids=ids,
+                    do_sample=True,
+                    top_p=0.9,
+                    repetition_penalty=1.3,
+                    graph_steps=steps,
+                    decode_options=options,
+                    **kw,
+                ).tolist()
+            )
+        out["sampled_same"] = procs[0] == procs[1]
+        out["sampled_step"] = module.hf_zero3_last_generate.step
+    return out

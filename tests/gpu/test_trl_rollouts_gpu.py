@@ -21,6 +21,8 @@ def test_grpo_rollouts_take_the_static_loop_by_default(tmp_path, deepcompile):
         # a rollout's prompt forward runs eagerly by default (DecodeOptions.compile_prefill); compiled
         # on left-padded prompts under DeepCompile: test_padded_prompts_prefill_compiled_under_deepcompile
         assert r["prefill"] == "eager" and r["prefill_reason"] is None, r
+        # and its decode steps run the model's forward, captured in CUDA graphs (DecodeOptions.compile_step)
+        assert r["step"] == "eager" and r["graph_steps"] > 0, r
         assert r["eval_logs"] == 2 and r["evals"] and r["finite"], r
         # the training graphs (DeepCompile's, or none) and the decode graphs compile in steps 1-2
         assert r["graphs"][-1] == r["graphs"][-2], r["graphs"]
