@@ -5,6 +5,7 @@ between two stop agreements (on CPU, or with ``graph_steps=0``, steps one by one
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import time
 
@@ -20,7 +21,8 @@ log = logging.getLogger("hf_zero3.generation")
 
 class _Runner:
     """Runs one call's decode steps. A loop's first step ever runs uncaptured (it compiles the
-    forward, and it is the warm-up CUDA-graph capture needs; a real step, its token kept); on CUDA
+    forward, or with ``compile_step=False`` tunes its kernels, and it is the warm-up CUDA-graph
+    capture needs; a real step, its token kept); on CUDA
     the rest replay CUDA graphs of ``graph_steps`` steps and of each shorter run between two stop
     agreements the calls meet (the first window after the prompt's token: at most
     ``graph_steps`` graphs, one memory pool), each captured once per loop and replayed by later calls while the
@@ -43,7 +45,7 @@ class _Runner:
         if side is not None:
             torch.cuda.current_stream().wait_stream(side)
         if not self.loop.compiled:
-            self.graph_steps = 0  # an eager forward may sync the host: no capture
+            self.graph_steps = 0  # a forward that did not compile may sync the host: no capture
         self.loop.warm = True
 
     def _capture(self, n: int) -> "torch.cuda.CUDAGraph":
@@ -51,9 +53,15 @@ class _Runner:
         g = torch.cuda.CUDAGraph()
         graphs = self.loop.graphs
         pool = next(iter(graphs.values())).pool() if graphs else None
-        with torch.cuda.graph(g, pool=pool):
-            for _ in range(n):
-                self.loop.step()
+        collecting = gc.isenabled()
+        gc.disable()  # a collection inside the capture may free another graph, which invalidates it
+        try:
+            with torch.cuda.graph(g, pool=pool):  # collects garbage first
+                for _ in range(n):
+                    self.loop.step()
+        finally:
+            if collecting:
+                gc.enable()
         self.capture_s += time.perf_counter() - t
         graphs[n] = g
         self.captured.add(n)
