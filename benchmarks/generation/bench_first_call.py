@@ -121,6 +121,7 @@ def rank_main(shape: str) -> dict:
         graph_s=list(graph_s),
         loop=stats.loop,
         prefill=stats.prefill,
+        step=stats.step,
         autotune_s=sum(tuned),
         autotuned_launches=len(tuned),
         autotune_chose=chosen,
