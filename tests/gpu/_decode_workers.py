@@ -57,23 +57,7 @@ def compiled_decode(new_tokens: int = 48):
         seq = hf_zero3.lockstep_generate(
             engine, input_ids=ids, gather="all", decode="compiled", do_sample=False, sync_every=4, graph_steps=8, **kw
         )
-        st = module.hf_zero3_last_generate
-        out["graphs"] = dict(
-            loop=st.loop,
-            reason=st.loop_reason,
-            graph_steps=st.graph_steps,
-            decode=st.decode,
-            forwards=st.forwards,
-            compiles=st.compiles,
-            attention=st.decode_report.attention,
-            mlp_kernels=st.decode_report.mlp_kernels,
-            split_k=st.decode_report.split_k,
-            prefill=st.prefill,
-            prefill_reason=st.prefill_reason,
-            rope_attention=st.decode_report.rope_attention,
-            dependent_launches=st.decode_report.dependent_launches,
-            qkv_partials=st.decode_report.qkv_partials,
-        )
+        out["graphs"] = _call_report(module.hf_zero3_last_generate)
         # the same call again, back to back, twice: the same tokens, and the graphs an earlier call
         # captured replay once the new call's cache tensors land where that call's were (a loop's
         # first call allocates around its compiles, so the call after it may capture once more)
@@ -124,28 +108,57 @@ def compiled_decode(new_tokens: int = 48):
         out["sampling_loop"] = module.hf_zero3_last_generate.loop
         # the processors the loop computes (repetition_penalty, min_new_tokens) with sampling, captured
         # in CUDA graphs and run step by step (graph_steps=0): the same tokens, and the default late checks
-        procs = []
-        for steps in (8, 0):
-            torch.manual_seed(99)
-            procs.append(
-                hf_zero3.lockstep_generate(
-                    engine,
-                    input_ids=ids,
-                    gather="all",
-                    decode="compiled",
-                    do_sample=True,
-                    top_p=0.9,
-                    repetition_penalty=1.3,
-                    min_new_tokens=6,
-                    graph_steps=steps,
-                    **kw,
-                ).tolist()
-            )
-            st = module.hf_zero3_last_generate
-            if steps:
-                out["processors"] = dict(loop=st.loop, graph_steps=st.graph_steps, late=st.late_checks)
-        out["processors"]["same"] = procs[0] == procs[1]
+        captured, stepped, st = _sampled_captured_and_stepped(
+            engine, ids, 99, gather="all", decode="compiled", min_new_tokens=6, **kw
+        )
+        out["processors"] = dict(
+            loop=st.loop, graph_steps=st.graph_steps, late=st.late_checks, same=captured == stepped
+        )
     return out
+
+
+def _sampled_captured_and_stepped(engine, ids, seed: int, **kw) -> tuple[list, list, object]:
+    """Sampling with the processors the loop computes (top-p, repetition_penalty), the same seed,
+    captured in CUDA graphs of 8 steps and run step by step: (both token lists, the captured call's
+    report)."""
+    import copy
+
+    import hf_zero3
+
+    out, report = [], None
+    for steps in (8, 0):
+        torch.manual_seed(seed)
+        out.append(
+            hf_zero3.lockstep_generate(
+                engine, input_ids=ids, do_sample=True, top_p=0.9, repetition_penalty=1.3, graph_steps=steps, **kw
+            ).tolist()
+        )
+        if steps:
+            report = copy.copy(engine.module.hf_zero3_last_generate)  # the captured call's, as it ended
+    return out[0], out[1], report
+
+
+def _call_report(st) -> dict:
+    """What a lockstep call's report (``hf_zero3_last_generate``) says about its decode path."""
+    r = st.decode_report
+    return dict(
+        loop=st.loop,
+        reason=st.loop_reason,
+        decode=st.decode,
+        step=st.step,
+        prefill=st.prefill,
+        prefill_reason=st.prefill_reason,
+        compiles=st.compiles,
+        graph_steps=st.graph_steps,
+        reused=st.graphs_reused,
+        forwards=st.forwards,
+        attention=r.attention,
+        mlp_kernels=r.mlp_kernels,
+        split_k=r.split_k,
+        rope_attention=r.rope_attention,
+        dependent_launches=r.dependent_launches,
+        qkv_partials=r.qkv_partials,
+    )
 
 
 def _teacher_forced(engine, seq, p: int, eos: int) -> dict:
@@ -190,37 +203,10 @@ def eager_step_graphs(new_tokens: int = 40):
             runs[name] = hf_zero3.lockstep_generate(
                 engine, input_ids=ids, do_sample=False, graph_steps=steps, decode_options=options, **kw
             )
-            st = module.hf_zero3_last_generate
-            out[name] = dict(
-                loop=st.loop,
-                decode=st.decode,
-                step=st.step,
-                prefill=st.prefill,
-                compiles=st.compiles,
-                graph_steps=st.graph_steps,
-                reused=st.graphs_reused,
-                forwards=st.forwards,
-                rope_attention=st.decode_report.rope_attention,
-                split_k=st.decode_report.split_k,
-            )
+            out[name] = _call_report(module.hf_zero3_last_generate)
         out["same"] = all(bool(torch.equal(runs["graphs"], runs[n])) for n in ("plain", "again"))
         out["teacher_forced"] = _teacher_forced(engine, runs["graphs"], ids.shape[1], kw["eos_token_id"])
         # sampling with processors, captured and step by step: the same tokens for the same seed
-        procs = []
-        for steps in (8, 0):
-            torch.manual_seed(7)
-            procs.append(
-                hf_zero3.lockstep_generate(
-                    engine,
-                    input_ids=ids,
-                    do_sample=True,
-                    top_p=0.9,
-                    repetition_penalty=1.3,
-                    graph_steps=steps,
-                    decode_options=options,
-                    **kw,
-                ).tolist()
-            )
-        out["sampled_same"] = procs[0] == procs[1]
-        out["sampled_step"] = module.hf_zero3_last_generate.step
+        captured, stepped, st = _sampled_captured_and_stepped(engine, ids, 7, decode_options=options, **kw)
+        out["sampled_same"], out["sampled_step"] = captured == stepped, st.step
     return out
