@@ -58,10 +58,14 @@ def _static_loop_batches_rank():
             prefill_reason=s.prefill_reason,
             compiles=s.compiles,
             rope=s.decode_report.rope_attention,
+            step=s.step,
         )
 
     run("eager", decode="eager")
     run("compiled", decode="compiled")
+    # the decode steps as the model's own forward (a TRL rollout's defaults): nothing compiled
+    eager_step = hf_zero3.DecodeOptions(compile_step=False, compile_prefill=False)
+    run("eager_step", decode="compiled", decode_options=eager_step)
     # the same call under torch's profiler: the loop's phases are ranges in its trace
     # (hf_zero3.decode.phases), with the same tokens and graphs as without one
     from torch.profiler import ProfilerActivity, profile
@@ -84,6 +88,7 @@ def _static_loop_batches_rank():
             run("rope_kernel", decode="compiled")
             run("rope_kernel_again", decode="compiled")
             run("kernel_unfused_rope", decode="compiled", decode_options=hf_zero3.DecodeOptions(fuse_rope=False))
+            run("rope_kernel_eager_step", decode="compiled", decode_options=eager_step)
         finally:
             gqa_attention.choice = choice
     # the same prompts sliced from a wider tensor (row stride != length, as a prompt cut from a
@@ -94,6 +99,7 @@ def _static_loop_batches_rank():
     sampling = dict(do_sample=True, top_k=12, top_p=0.9, temperature=0.8)
     run("eager_sampled", seed=11 + rank, decode="eager", **sampling)
     run("compiled_sampled", seed=11 + rank, decode="compiled", **sampling)
+    run("eager_step_sampled", seed=11 + rank, decode="compiled", decode_options=eager_step, **sampling)
     # a region held across calls (TRL's unwrap_model_for_generation): the same parameter storage,
     # so a second call reuses the first one's static buffers (on CUDA its graphs); a state the
     # compiled forward would guard on (training mode) does not
@@ -201,6 +207,23 @@ def test_static_loop_left_padded_batch_matches_eager_and_the_reference(batch_res
         assert r["compiled"]["out"] == r["eager"]["out"] == r["reference"]
         assert r["compiled"]["extra"] == r["eager"]["extra"]
     assert batch_results[0]["compiled"]["forwards"] == batch_results[1]["compiled"]["forwards"]
+
+
+def test_the_models_own_forward_runs_the_steps_with_compile_step_off(batch_results):
+    """``DecodeOptions(compile_step=False, compile_prefill=False)``: the static loop with nothing
+    compiled (not the greedy tail either), the tokens of eager decoding and of the reference, and
+    seeded sampling's draws."""
+    for r in batch_results:
+        e = r["eager_step"]
+        assert e["loop"] == "hf_zero3" and e["decode"] == "compiled" and e["step"] == "eager", _fields(e)
+        assert e["prefill"] == "eager" and e["compiles"] == 0 and e["reason"] is None, _fields(e)
+        assert e["out"] == r["eager"]["out"] == r["reference"], _fields(e)
+        assert e["forwards"] == r["compiled"]["forwards"] and r["compiled"]["step"] == "compiled"
+        assert r["eager_step_sampled"]["out"] == r["eager_sampled"]["out"], _fields(r["eager_step_sampled"])
+        assert r["eager_step_sampled"]["step"] == "eager" and r["eager_step_sampled"]["compiles"] == 0
+        k = r["rope_kernel_eager_step"]  # Triton's interpreter: the rope kernel launched eagerly
+        assert k["out"] == r["eager"]["out"] and k["rope"] == r["rope_kernel"]["rope"] > 0, _fields(k)
+        assert k["step"] == "eager" and k["compiles"] == 0, _fields(k)
 
 
 def test_a_profiled_call_shows_the_loops_phases_and_decodes_alike(batch_results):
