@@ -6,8 +6,9 @@ every token: input preparation, the logits processors, sampling, the stopping cr
 host sync each step. With the whole model gathered, that loop and not the GPU sets the speed.
 This loop keeps every per-token tensor in a static buffer (the token, its position, the EOS mask,
 the generated tokens) and updates it in place, so one decode step is a fixed sequence of kernels:
-the compiled forward (``torch.compile(fullgraph=True)``), the logits processors, sampling or
-argmax, EOS masking. On CUDA those steps are captured into CUDA graphs of several steps each
+the compiled forward (``torch.compile(fullgraph=True)``; with ``DecodeOptions(compile_step=False)``,
+a TRL rollout's default, the model's own forward, nothing compiled), the logits processors,
+sampling or argmax, EOS masking. On CUDA those steps are captured into CUDA graphs of several steps each
 (``graph_steps``), replayed between two lockstep stop agreements with no host sync in between;
 on CPU the same steps run one by one.
 
