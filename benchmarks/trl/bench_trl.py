@@ -234,7 +234,7 @@ def grpo_rank(tmpdir: str):
                 loop=last.loop if last is not None else "transformers",
                 decode=last.decode if last is not None else "eager",
                 prefill=last.prefill if last is not None else "eager",
-                step=(last.step or "eager") if last is not None else "eager",
+                step=last.step if last is not None else "eager",
                 prompt_lengths=timer.prompt_lengths,
                 rollout_tokens_per_s=timer.tokens / timer.gen_s if timer.gen_s else None,
                 rollout_s=min(timer.gen_steps[1:]),

@@ -101,8 +101,8 @@ class _Loop:
         self.out[:, :budget].fill_(self.pad)
         self.alive.fill_(True)
         self.extra = _forward_kwargs(model)
-        compile_it = self.compiled and self.compile_step
-        self.call = _compiled_call(type(model), self.dependent) if compile_it else type(model).__call__
+        compiled = self.step_kind == "compiled"
+        self.call = _compiled_call(type(model), self.dependent) if compiled else type(model).__call__
 
     @property
     def step_kind(self) -> str:
