@@ -15,7 +15,15 @@ default ``decode="auto"`` takes hf_zero3's static loop in the gathered rollouts 
 phase is the time spent in ``generate()`` in a step, the fastest of steps 2-3 (``BENCH_STEPS``: steps a
 setting trains, default 3; ``first_rollout_s``: the first step's, compiles included); step: the
 fastest of steps 2-3;
-``vs_trl_default_*``: trl_default's time over the row's.
+``train_s``: a step less its ``_prepare_inputs`` (TRL's rollout, scoring and gathering), the
+fastest of steps 2-3: the training, TRL's own in every setting; ``vs_trl_default_*``:
+trl_default's time over the row's; ``vs_trl_default_step_bound``: trl_default's step over the row's
+training, the most a faster rollout alone could make ``vs_trl_default_step``.
+``BENCH_TRL_ZERO3`` picks GRPO's ZeRO-3 config (``grpo_zero3`` in the rows): ``strict`` (default;
+no persistence, prefetch or reuse, so each forward all-gathers each layer as on a
+multi-billion-parameter model; AdamW from DeepSpeed) or ``deepspeed`` (DeepSpeed's own stage-3
+defaults and the Trainer's optimizer, what an accelerate config with ``zero_stage: 3`` gives; on
+one GPU a 0.5B model then stays gathered between uses).
 
 OPSD rollout: the same model in a ZeRO-3 engine, greedy, batch 8, 64-token prompts, 128 new
 tokens; row i of rank r emits EOS at step (0.1 + 0.08 i + 0.03 r) x 128 (the model's forward
@@ -56,6 +64,12 @@ SETTINGS = {
     "zero3safe_gather_off": (False, True, False),
     "zero3safe_deepcompile": (True, True, True),
 }
+# GRPO's DeepSpeed config: "strict" (no persistence, prefetch or reuse: each forward all-gathers each
+# layer, as on a multi-billion-parameter model) or "deepspeed" (DeepSpeed's own stage-3 defaults and
+# the Trainer's optimizer, what an accelerate config with zero_stage 3 gives a 0.5B model on one GPU)
+ZERO3 = os.environ.get("BENCH_TRL_ZERO3", "strict")
+if ZERO3 not in ("strict", "deepspeed"):
+    raise SystemExit(f"BENCH_TRL_ZERO3 takes strict or deepspeed, not {ZERO3!r}")
 _asked = os.environ.get("BENCH_TRL_SETTINGS", ",".join(SETTINGS)).split(",")
 if set(_asked) - set(SETTINGS) or "trl_default" not in _asked:
     raise SystemExit(f"BENCH_TRL_SETTINGS takes names of {', '.join(SETTINGS)}, trl_default (the baseline) among them")
@@ -106,11 +120,13 @@ def _eos_at_class():
 
 
 class _Timer:
-    """Times generate() calls and the tokens they add; times whole optimizer steps."""
+    """Times generate() calls and the tokens they add; times whole optimizer steps, and the part of
+    each outside the trainer's ``_prepare_inputs`` (TRL's rollout, scoring and gathering): its training."""
 
     def __init__(self, sync):
         self.sync, self.gen_s, self.tokens, self.steps, self._t = sync, 0.0, 0, [], None
         self.step_gen, self.gen_steps = 0.0, []  # generate() seconds in the current step, per step
+        self.step_prepare, self.train_steps = 0.0, []  # _prepare_inputs seconds; step less them, per step
         self.step_compiles, self.compiles = 0, []  # Dynamo graphs the step's generate() calls compiled
         self.prompt_lengths = None  # the first rollout's prompt lengths without padding: [shortest, longest]
 
@@ -137,6 +153,19 @@ class _Timer:
 
         model.generate = generate
 
+    def wrap_prepare(self, trainer):
+        original = trainer._prepare_inputs
+
+        def prepare(*args, **kwargs):
+            self.sync()
+            t = time.perf_counter()
+            out = original(*args, **kwargs)
+            self.sync()
+            self.step_prepare += time.perf_counter() - t
+            return out
+
+        trainer._prepare_inputs = prepare
+
     def callback(self):
         from transformers import TrainerCallback
 
@@ -146,11 +175,12 @@ class _Timer:
             def on_step_begin(self, *a, **k):
                 timer.sync()
                 timer._t = time.perf_counter()
-                timer.step_gen, timer.step_compiles = 0.0, 0
+                timer.step_gen, timer.step_compiles, timer.step_prepare = 0.0, 0, 0.0
 
             def on_step_end(self, *a, **k):
                 timer.sync()
                 timer.steps.append(time.perf_counter() - timer._t)
+                timer.train_steps.append(timer.steps[-1] - timer.step_prepare)
                 timer.gen_steps.append(timer.step_gen)
                 timer.compiles.append(timer.step_compiles)
 
@@ -177,6 +207,9 @@ def grpo_rank(tmpdir: str):
         timer = _Timer(sync)
         callbacks = [timer.callback()] + ([hf_zero3.Zero3Safe()] if fixed else [])
         ds = trainer_zero3_config()
+        if ZERO3 == "deepspeed":
+            ds = {k: v for k, v in ds.items() if k != "optimizer"}
+            ds["zero_optimization"] = {"stage": 3}
         if deepcompile:
             ds["compile"] = {"deepcompile": True}
         args = GRPOConfig(
@@ -210,6 +243,7 @@ def grpo_rank(tmpdir: str):
             callbacks=callbacks,
         )
         timer.wrap(trainer.model)
+        timer.wrap_prepare(trainer)
         first = {}
         orig_train_step = trainer.training_step
 
@@ -245,6 +279,8 @@ def grpo_rank(tmpdir: str):
                 generate_s=timer.gen_s,
                 tokens=timer.tokens,
                 step_s=min(timer.steps[1:]),
+                train_s=min(timer.train_steps[1:]),
+                train_s_all=timer.train_steps,
             )
         )
         if dist.get_rank() == 0:  # as it is measured: a run cut short keeps its rows
@@ -349,6 +385,7 @@ def main():
         backend=backend,
         max_new_tokens=MAX_NEW,
         model="qwen2-0.5b-shape" if backend == "nccl" else "tiny-qwen2",
+        grpo_zero3=ZERO3,
     )
     rows = []
     only = os.environ.get("BENCH_TRL_ONLY")
@@ -367,6 +404,7 @@ def main():
         for r in rows:
             r["vs_trl_default_rollout"] = base["rollout_s"] / r["rollout_s"]
             r["vs_trl_default_step"] = base["step_s"] / r["step_s"]
+            r["vs_trl_default_step_bound"] = base["step_s"] / r["train_s"]
         print(
             table(
                 rows,
@@ -379,8 +417,10 @@ def main():
                     "first_rollout_s",
                     "rollout_s",
                     "step_s",
+                    "train_s",
                     "vs_trl_default_rollout",
                     "vs_trl_default_step",
+                    "vs_trl_default_step_bound",
                 ],
             )
         )
