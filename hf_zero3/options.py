@@ -98,6 +98,13 @@ class DecodeOptions:
             each step launches more kernels, as the compiled step fuses the model's pointwise work:
             a call decodes slower, which a GRPO step, where the training dominates, hardly shows
             (benchmarks/RESULTS.md, First call and TRL rollouts).
+        compile_layers: with ``compile_step``, compile one decoder layer's forward, which every
+            layer runs, instead of the whole model's (``HF_ZERO3_COMPILE_LAYERS``; default off): Dynamo
+            traces and inductor compiles one layer whatever the depth, so a process's first call
+            compiles for about the time of one layer; the rest of the forward (embedding, masks,
+            final norm and head) runs eagerly inside the same CUDA graphs. Taken for the checked
+            families whose layers all have one type; elsewhere the step compiles whole
+            (:mod:`hf_zero3.decode.layer_compile`).
     """
 
     fuse_qkv: bool | None = _option("HF_ZERO3_FUSE_QKV", True, "q/k/v projections of a decode step as one GEMM")
@@ -120,6 +127,9 @@ class DecodeOptions:
     )
     compile_step: bool | None = _option(
         "HF_ZERO3_COMPILE_STEP", True, "the static loop compiles the decode step", rollout=False
+    )
+    compile_layers: bool | None = _option(
+        "HF_ZERO3_COMPILE_LAYERS", False, "the compiled decode step compiles one decoder layer for every layer"
     )
 
     def __post_init__(self):

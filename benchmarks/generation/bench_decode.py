@@ -13,8 +13,8 @@ Rows (``config``):
                        1 step or none, q/k/v unfused, the PyTorch or always the Triton attention,
                        cuBLAS for the MLP / down / o_proj / q/k/v, eager prompt
                        forward, eager prompt forward and decode step (a TRL rollout's
-                       defaults), the fused rotary + cache write on/off, dependent launches
-                       off, ``sync_every=1``).
+                       defaults), one compiled decoder layer for every layer, the fused rotary +
+                       cache write on/off, dependent launches off, ``sync_every=1``).
   layerwise            lockstep with per-layer gathers (ZeRO-3's hooks live).
 ``BENCH_CONFIGS`` (comma-separated names, or ``all``; default the first three) picks the rows; a
 name given twice is measured twice (the second row's name gets ``#2``): the host's drift within one
@@ -78,6 +78,8 @@ OURS = {
     "hf_zero3_graphs_eager_prefill": (8, 8, {"HF_ZERO3_COMPILE_PREFILL": _OFF}),
     # a TRL rollout's defaults: the prompt forward and the decode step eager, the steps in CUDA graphs
     "hf_zero3_graphs_eager_step": (8, 8, {"HF_ZERO3_COMPILE_PREFILL": _OFF, "HF_ZERO3_COMPILE_STEP": _OFF}),
+    # the compiled step as one compiled decoder layer that every layer runs (DecodeOptions.compile_layers)
+    "hf_zero3_graphs_layer_step": (8, 8, {"HF_ZERO3_COMPILE_LAYERS": _ON}),
     "hf_zero3_graphs_no_split": (8, 8, {"HF_ZERO3_SPLIT_K": _OFF}),
     "hf_zero3_graphs_no_pdl": (8, 8, {"HF_ZERO3_PDL": _OFF}),
     "hf_zero3_graphs_cublas_qkv": (8, 8, {"HF_ZERO3_TRITON_QKV": _OFF}),

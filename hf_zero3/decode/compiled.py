@@ -1,8 +1,9 @@
 """The functions the static loop compiles, and how: the decode step's forward
-(:func:`_compiled_call`), the prompt's forward (:func:`_prompt_logits`) and the greedy tail
-(:func:`_greedy_tail`), each ``torch.compile(fullgraph=True)`` with inductor's alignment asserts
-off; the errors that say a compile or its code failed; and the TF32 setting they are pinned to.
-The compiled functions themselves are kept in :mod:`.caches`."""
+(:func:`_compiled_call`), or one decoder layer's (:func:`_compiled_layer`), the prompt's forward
+(:func:`_prompt_logits`) and the greedy tail (:func:`_greedy_tail`), each
+``torch.compile(fullgraph=True)`` with inductor's alignment asserts off; the errors that say a
+compile or its code failed; and the TF32 setting they are pinned to. The compiled functions
+themselves are kept in :mod:`.caches`."""
 
 from __future__ import annotations
 
@@ -60,6 +61,30 @@ def _compiled_call(cls, dependent: bool = False):
                 return compiled(model, **kwargs)
 
         _COMPILED[(cls, dependent)] = fn
+    return fn
+
+
+def _layer_call(layer, *args, **kwargs):
+    """One decoder layer's forward (:mod:`.layer_compile`): its own code object, so its graphs (one
+    for every layer) and its recompile limit are apart from the whole step's."""
+    return type(layer).forward(layer, *args, **kwargs)
+
+
+def _compiled_layer(dependent: bool = False):
+    """:func:`_layer_call` compiled into one graph, once per process (``dependent``: as
+    :func:`_compiled_call`'s). Its graphs guard on the layers' hooks as the whole step's do."""
+    fn = _COMPILED.get((_layer_call, dependent))
+    if fn is None:
+        options = torch_up.inductor_options_without_alignment_asserts()
+        if dependent:
+            options.update(torch_up.inductor_dependent_launch_options())
+        compiled = torch.compile(_layer_call, fullgraph=True, **({"options": options} if options else {}))
+
+        def fn(layer, *args, **kwargs):
+            with torch_up.hook_guards():
+                return compiled(layer, *args, **kwargs)
+
+        _COMPILED[(_layer_call, dependent)] = fn
     return fn
 
 

@@ -7,7 +7,7 @@ model once per call after the prompt's forward (:meth:`~Feature.bind`: what stil
 call's weight copies), entered around every decode step (:meth:`~Feature.use`), and reported into
 the call's one :class:`DecodeReport` (``hf_zero3_last_generate.decode_report``). :func:`plan`
 builds them in the order they depend on each other: dependent launches, the attention, the fused
-q/k/v projection, the MLP kernels, the rope attention.
+q/k/v projection, the MLP kernels, the rope attention, and the compiled layers.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from ..kernels import decode_gemm
 from ..options import DecodeOptions
-from . import fused_qkv, gqa_attention, mlp_kernels
+from . import fused_qkv, gqa_attention, layer_compile, mlp_kernels
+from .compiled import _compiled_layer
 
 log = logging.getLogger("hf_zero3.generation")
 
@@ -33,6 +34,7 @@ class DecodeReport:
     mlp_kernels: int = 0  # MLP modules through the Triton gate/up GEMM
     split_k: int = 0  # projections (down, o_proj) through the split-K GEMM
     rope_attention: int = 0  # attention modules that rotated, wrote the cache and attended in one kernel
+    compiled_layers: int = 0  # decoder layers that ran one compiled layer (DecodeOptions.compile_layers)
     dependent_launches: bool = False  # the steps' kernels were programmatic dependent launches
     qkv_partials: bool = False  # fused q/k/v ran split-K into the rope kernel, which summed the partials
     fallbacks: tuple[str, ...] = ()  # parts of the model family's fast path left to its own code, and why
@@ -188,6 +190,34 @@ class RopeAttention(Feature):
         self.bound, self.rotaries = [], []
 
 
+class CompiledLayers(Feature):
+    """The compiled decode step as one compiled decoder layer run by every layer
+    (:mod:`.layer_compile`; ``name``: the layers' ``ModuleList``, None: the step compiles whole).
+    A layer that does not compile (the loop reads :attr:`failed`) runs its own forward, and the
+    loop compiles the whole step from the next one on."""
+
+    def __init__(self, name: str | None, dependent: bool):
+        self.layers = layer_compile.Layers(name)
+        self.dependent = dependent
+        self.count = 0
+
+    @property
+    def failed(self) -> str | None:
+        return self.layers.failed
+
+    def bind(self, model, cache) -> None:
+        self.count = self.layers.bind(model, cache, _compiled_layer(self.dependent))
+
+    def use(self, loop):
+        return self.layers.use() if loop.step_kind == "layers" else contextlib.nullcontext()
+
+    def report(self, into: DecodeReport, compiled: bool) -> None:
+        into.compiled_layers = self.count if compiled and self.failed is None else 0
+
+    def end(self) -> None:
+        self.layers.end()  # the count stays: the call's outcome reads the step's kind after its end
+
+
 def plan(model, device, attention: str | None, options: DecodeOptions) -> list[Feature]:
     """The features of a loop for ``model`` on ``device`` (``attention``:
     :func:`.gqa_attention.choice`'s, part of the loop's key) under resolved ``options``; builds
@@ -198,4 +228,10 @@ def plan(model, device, attention: str | None, options: DecodeOptions) -> list[F
     mlp = MLPKernels(mlp_kernels.plan(model, device, split) if options.triton_mlp else (), split, dependent.on)
     rope = gqa_attention.rope_plan(model, attention) if options.fuse_rope else ()
     qkv_op = gqa_attention.rope_qkv(device, dependent.on) if rope and qkv.fused.names and options.triton_qkv else None
-    return [dependent, Attention(attention), qkv, mlp, RopeAttention(rope, dependent.on, qkv_op, qkv)]
+    parts = [dependent, Attention(attention), qkv, mlp, RopeAttention(rope, dependent.on, qkv_op, qkv)]
+    if options.compile_step and options.compile_layers:
+        name, why = layer_compile.plan(model)
+        if why is not None:
+            log.info("hf_zero3 lockstep: the decode step compiles whole, not one layer at a time: %s", why)
+        parts.append(CompiledLayers(name, dependent.on))
+    return parts

@@ -68,6 +68,8 @@ class _Loop:
         self.logits = logits_processors.LoopProcessors(processors, device)  # this loop's processors, on its buffers
         self.features = list(parts)  # the decode step's parts computed our way (features.plan)
         self.dependent = any(isinstance(f, features.DependentLaunches) and f.on for f in self.features)
+        # DecodeOptions.compile_layers: the step as the model's forward with one compiled layer
+        self.layers = next((f for f in self.features if isinstance(f, features.CompiledLayers)), None)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # steps per graph -> graph
         self.cache_ptrs = None  # the cache tensors the graphs were captured with
         self.cache_small = None  # per layer, its small tensors (length counters) the graphs read
@@ -101,21 +103,32 @@ class _Loop:
         self.out[:, :budget].fill_(self.pad)
         self.alive.fill_(True)
         self.extra = _forward_kwargs(model)
-        compiled = self.step_kind == "compiled"
-        self.call = _compiled_call(type(model), self.dependent) if compiled else type(model).__call__
+        self._choose_call()
+
+    def _choose_call(self) -> None:
+        whole = self.step_kind == "compiled"
+        self.call = _compiled_call(type(self.model), self.dependent) if whole else type(self.model).__call__
 
     @property
     def step_kind(self) -> str:
-        """How the decode steps ran: ``"compiled"``, or ``"eager"`` (asked for, or the forward did
-        not compile)."""
-        return "compiled" if self.compiled and self.compile_step else "eager"
+        """How the decode steps ran: ``"compiled"`` (the whole forward), ``"layers"`` (the model's
+        forward, each decoder layer through one compiled layer: ``compile_layers``), or ``"eager"``
+        (asked for, or the forward did not compile)."""
+        if not (self.compiled and self.compile_step):
+            return "eager"
+        layers = self.layers
+        if layers is not None and layers.count and layers.failed is None:
+            return "layers"
+        return "compiled"
 
     def bind(self) -> None:
         """After the prefill: each feature binds to this call's model and cache (the fused q/k/v
-        copy is made here, so the prefill's peak does not hold it), then the check of what the
-        graphs were captured with."""
+        copy is made here, so the prefill's peak does not hold it; the compiled layers' views of
+        the cache, which decide whether the step runs them), then the check of what the graphs were
+        captured with."""
         for f in self.features:
             f.bind(self.model, self.cache)
+        self._choose_call()
         self.bind_cache()
 
     def report(self) -> features.DecodeReport:
@@ -195,6 +208,13 @@ class _Loop:
                 log.warning("hf_zero3 lockstep: static loop without torch.compile: %s", why)
                 self.call, self.compiled = type(self.model).__call__, False
                 out = self.call(self.model, **kwargs)
+        if self.layers is not None and self.layers.failed is not None and self.call is type(self.model).__call__:
+            if self.step_kind == "compiled":  # a layer did not compile: the whole step compiles from the next
+                log.warning(
+                    "hf_zero3 lockstep: the decode step compiles whole, not one layer at a time: %s",
+                    self.layers.failed,
+                )
+                self._choose_call()
         for f in self.features:
             f.after_step(self.cache)
         self._choose(out.logits[:, -1])

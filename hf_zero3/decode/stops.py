@@ -36,7 +36,7 @@ class LoopOutcome:
     graphs_reused: bool = False  # replayed CUDA graphs an earlier call captured
     prefill: str | None = None  # the prompt's forward: "compiled" or "eager"
     prefill_reason: str | None = None  # why it ran eagerly (None: compiled, or not asked to compile)
-    step: str | None = None  # the decode steps' forward: "compiled" or "eager"
+    step: str | None = None  # the decode steps' forward: "compiled", "layers" or "eager"
     report: DecodeReport | None = None  # the parts the steps computed their own way
 
 

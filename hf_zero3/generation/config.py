@@ -142,5 +142,5 @@ class LockstepStats:
     graphs_reused: bool = False  # replayed CUDA graphs an earlier call captured (same parameters, cache, state)
     prefill: str | None = None  # the static loop's prompt forward: "compiled" or "eager" (None: not its loop)
     prefill_reason: str | None = None  # why it ran eagerly (None: compiled, or compile_prefill=False)
-    step: str | None = None  # the static loop's decode steps: "compiled" or "eager" (None: not its loop)
+    step: str | None = None  # the static loop's decode steps: "compiled", "layers" or "eager" (None: not its loop)
     decode_report: DecodeReport = field(default_factory=DecodeReport)  # the parts the static loop computed its way

@@ -19,6 +19,7 @@ def test_every_switch_reads_one_grammar():
 
 
 def test_defaults_are_every_part_on_and_attention_by_the_sm_count():
+    """Every part on, but one compiled layer for every layer (the step compiles whole)."""
     assert DecodeOptions().resolved({}) == DecodeOptions(
         fuse_qkv=True,
         triton_mlp=True,
@@ -29,6 +30,7 @@ def test_defaults_are_every_part_on_and_attention_by_the_sm_count():
         dependent_launches="auto",
         compile_prefill=True,
         compile_step=True,
+        compile_layers=False,
     )
 
 
@@ -43,8 +45,8 @@ def test_a_trl_rollout_compiles_the_prompt_forward_and_the_step_only_when_asked(
 
 @pytest.mark.parametrize("field", [f for f in fields(DecodeOptions) if not f.metadata["choices"]], ids=lambda f: f.name)
 def test_each_boolean_variable_turns_its_part_off_and_an_explicit_value_wins(field):
-    env = field.metadata["env"]
-    for raw, expected in (("", True), ("0", False), ("no", False), ("on", True)):
+    env, default = field.metadata["env"], field.metadata["default"]
+    for raw, expected in (("", default), ("0", False), ("no", False), ("on", True)):
         assert getattr(DecodeOptions().resolved({env: raw}), field.name) is expected, raw
     explicit = DecodeOptions(**{field.name: True}).resolved({env: "0"})
     assert getattr(explicit, field.name) is True

@@ -59,6 +59,7 @@ def _static_loop_batches_rank():
             compiles=s.compiles,
             rope=s.decode_report.rope_attention,
             step=s.step,
+            layers=s.decode_report.compiled_layers,
         )
 
     run("eager", decode="eager")
@@ -66,6 +67,10 @@ def _static_loop_batches_rank():
     # the decode steps as the model's own forward (a TRL rollout's defaults): nothing compiled
     eager_step = hf_zero3.DecodeOptions(compile_step=False, compile_prefill=False)
     run("eager_step", decode="compiled", decode_options=eager_step)
+    # one compiled decoder layer that every layer runs (DecodeOptions.compile_layers)
+    layered = hf_zero3.DecodeOptions(compile_prefill=False, compile_layers=True)
+    run("layer_step", decode="compiled", decode_options=layered)
+    run("layer_step_again", decode="compiled", decode_options=layered)
     # the same call under torch's profiler: the loop's phases are ranges in its trace
     # (hf_zero3.decode.phases), with the same tokens and graphs as without one
     from torch.profiler import ProfilerActivity, profile
@@ -89,6 +94,7 @@ def _static_loop_batches_rank():
             run("rope_kernel_again", decode="compiled")
             run("kernel_unfused_rope", decode="compiled", decode_options=hf_zero3.DecodeOptions(fuse_rope=False))
             run("rope_kernel_eager_step", decode="compiled", decode_options=eager_step)
+            run("rope_kernel_layer_step", decode="compiled", decode_options=layered)
         finally:
             gqa_attention.choice = choice
     # the same prompts sliced from a wider tensor (row stride != length, as a prompt cut from a
@@ -100,6 +106,7 @@ def _static_loop_batches_rank():
     run("eager_sampled", seed=11 + rank, decode="eager", **sampling)
     run("compiled_sampled", seed=11 + rank, decode="compiled", **sampling)
     run("eager_step_sampled", seed=11 + rank, decode="compiled", decode_options=eager_step, **sampling)
+    run("layer_step_sampled", seed=11 + rank, decode="compiled", decode_options=layered, **sampling)
     # a region held across calls (TRL's unwrap_model_for_generation): the same parameter storage,
     # so a second call reuses the first one's static buffers (on CUDA its graphs); a state the
     # compiled forward would guard on (training mode) does not
@@ -124,6 +131,19 @@ def _static_loop_batches_rank():
     finally:
         for handle in input_grad_hooks(engine.module):
             handle.remove()
+
+    # a hook on one layer's MLP that Dynamo cannot trace: that layer's graph does not compile, so
+    # it runs its own forward, the rest of the step too, and the next step compiles whole (which
+    # the hook stops as well: the call finishes eagerly); the same tokens
+    def breaks(module, args):
+        torch._dynamo.graph_break()
+
+    handle = engine.module.model.layers[1].mlp.register_forward_pre_hook(breaks)
+    try:
+        run("layer_hooked", decode="compiled", decode_options=layered)
+    finally:
+        handle.remove()
+    hf_zero3.release_decode_graphs(engine.module)
 
     # a forward hook that stops compiling from its third call (a graph break under fullgraph=True;
     # nothing eagerly): the loop runs the rest of that call eagerly and says why; same tokens
@@ -330,3 +350,26 @@ def test_a_prompt_forward_that_does_not_compile_runs_eagerly_and_the_steps_stay_
         assert r["prompt_released"]["prefill"] == "compiled" and r["prompt_released"]["prefill_reason"] is None
         assert r["prompt_eager"]["prefill"] == "eager" and r["prompt_eager"]["prefill_reason"] is None
         assert r["prompt_released"]["out"] == r["prompt_eager"]["out"] == r["eager"]["out"]
+
+
+def test_one_compiled_layer_runs_every_layer_with_compile_layers(batch_results):
+    """``DecodeOptions(compile_layers=True)``: the model's forward runs the steps and each decoder
+    layer runs one compiled layer: one graph for both layers (the greedy tail was compiled by an
+    earlier call), none on a second call or with sampling, the tokens of eager decoding, of the
+    reference and of seeded sampling, the rope kernel inside it (Triton's interpreter); a layer
+    that does not compile runs its own forward and the call still gives eager decoding's tokens."""
+    for r in batch_results:
+        e = r["layer_step"]
+        assert e["loop"] == "hf_zero3" and e["decode"] == "compiled" and e["step"] == "layers", _fields(e)
+        assert e["layers"] == 2 and e["compiles"] == 1 and e["prefill"] == "eager", _fields(e)
+        assert e["out"] == r["eager"]["out"] == r["reference"], _fields(e)
+        again = r["layer_step_again"]
+        assert again["out"] == e["out"] and again["compiles"] == 0, _fields(again)
+        sampled = r["layer_step_sampled"]
+        assert sampled["out"] == r["eager_sampled"]["out"] and sampled["step"] == "layers", _fields(sampled)
+        assert sampled["compiles"] == 0, _fields(sampled)
+        k = r["rope_kernel_layer_step"]
+        assert k["out"] == r["eager"]["out"] and k["rope"] == 2 and k["step"] == "layers", _fields(k)
+        assert k["layers"] == 2 and k["compiles"] == 1, _fields(k)
+        h = r["layer_hooked"]
+        assert h["out"] == r["eager"]["out"] and h["layers"] == 0 and h["step"] != "layers", _fields(h)
