@@ -158,6 +158,7 @@ def _call_report(st) -> dict:
         rope_attention=r.rope_attention,
         dependent_launches=r.dependent_launches,
         qkv_partials=r.qkv_partials,
+        compiled_layers=r.compiled_layers,
     )
 
 
@@ -175,10 +176,11 @@ def _teacher_forced(engine, seq, p: int, eos: int) -> dict:
     return dict(max_margin=margin.max().item(), max_abs_logit=pred.abs().max().item(), tokens=int(valid.sum()))
 
 
-def eager_step_graphs(new_tokens: int = 40):
+def eager_step_graphs(new_tokens: int = 40, layers: bool = False):
     """The static loop with ``compile_step=False``: the model's own forward (with hf_zero3's
     kernels) runs the decode steps, captured in CUDA graphs; against the same steps run one by one
-    (``graph_steps=0``) and the eager forward over the sequence (teacher-forced)."""
+    (``graph_steps=0``) and the eager forward over the sequence (teacher-forced). ``layers``: the
+    same with ``compile_layers=True`` (each decoder layer through one compiled layer)."""
     import os
 
     import torch.distributed as dist
@@ -193,7 +195,7 @@ def eager_step_graphs(new_tokens: int = 40):
     module = engine.module
     g = torch.Generator().manual_seed(rank)
     ids = torch.randint(3, 32000, (4, 24 + 4 * rank), generator=g).to(engine.device)
-    options = hf_zero3.DecodeOptions(compile_step=False, compile_prefill=False)
+    options = hf_zero3.DecodeOptions(compile_step=layers, compile_layers=layers, compile_prefill=False)
     kw = dict(gather="all", decode="compiled", max_new_tokens=new_tokens, pad_token_id=0, eos_token_id=2, sync_every=4)
     out = {}
     with torch.no_grad():
