@@ -100,9 +100,9 @@ class DecodeOptions:
             (benchmarks/RESULTS.md, First call and TRL rollouts).
         compile_layers: with ``compile_step``, compile one decoder layer's forward, which every
             layer runs, instead of the whole model's (``HF_ZERO3_COMPILE_LAYERS``; default off): Dynamo
-            traces and inductor compiles one layer whatever the depth, so a process's first call
-            compiles for about the time of one layer; the rest of the forward (embedding, masks,
-            final norm and head) runs eagerly inside the same CUDA graphs. Taken for the checked
+            traces and inductor compiles one layer whatever the depth; the rest of the forward
+            (embedding, masks, final norm and head) runs eagerly inside the same CUDA graphs, and
+            the fusion across layer boundaries is given up. Taken for the checked
             families whose layers all have one type; elsewhere the step compiles whole
             (:mod:`hf_zero3.decode.layer_compile`).
     """
