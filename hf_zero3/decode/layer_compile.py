@@ -14,7 +14,10 @@ a copy of the cache that holds its own layer only, and for the call its modules'
 0. That is sound only where nothing else of a layer depends on its index: it is taken for the
 checked families (:mod:`.families`) whose layers are one ``ModuleList`` of one class with one layer
 type (``config.layer_types``), each layer's modules sharing one index; elsewhere the step compiles
-whole (:func:`plan` says why). The layers' compiled function is :func:`.compiled._compiled_layer`.
+whole (:func:`plan` says why). Where the layers still differ to Dynamo (a hook on one layer's
+module, say: the graphs guard on hooks), a second layer compiling a graph of its own in one step
+makes the step compile whole from the next one on, instead of compiling every layer apart. The
+layers' compiled function is :func:`.compiled._compiled_layer`.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import weakref
 
 from torch import nn
 
+from .._upstream import torch as torch_up
 from .._upstream import transformers as hf_up
 from . import families
 from .compiled import _COMPILE_ERRORS, _why
@@ -70,12 +74,22 @@ def _forward(owner: "Layers", layer: nn.Module, view, indexed: list[nn.Module], 
         saved = [x.layer_idx for x in indexed]
         for x in indexed:
             x.layer_idx = 0
+        graphs = torch_up.dynamo_graph_count()
         try:
-            return compiled(m, *args, **kwargs)
+            out = compiled(m, *args, **kwargs)
         except _COMPILE_ERRORS as exc:
             # raised while Dynamo traced or compiled, before the layer's graph ran: nothing of this
             # layer was written, so its own forward computes it (the earlier layers ran compiled)
             owner.failed = _why(exc)
+        else:
+            if torch_up.dynamo_graph_count() != graphs:
+                owner.compiled_in_step += 1
+                if owner.compiled_in_step > 1:  # it ran; the step's other layers run their own forward
+                    owner.failed = (
+                        "a second layer compiled a graph of its own in one step (the compiled layer "
+                        "guards on something that differs between layers, a hook say)"
+                    )
+            return out
         finally:
             for x, i in zip(indexed, saved):
                 x.layer_idx = i
@@ -93,6 +107,7 @@ class Layers:
         self.name = name
         self.bound: list[tuple[nn.Module, object]] = []  # (layer, its forward through the compiled layer)
         self.failed: str | None = None  # why the compiled layer did not compile (kept with the loop)
+        self.compiled_in_step = 0  # layer calls that compiled a graph in the current step
 
     def bind(self, model: nn.Module, cache, compiled) -> int:
         """The layers this call runs through ``compiled`` (0: none; the step compiles whole)."""
@@ -120,6 +135,7 @@ class Layers:
     def use(self):
         """Inside: each bound layer's forward runs the compiled layer over its own view of the cache."""
         patched = []
+        self.compiled_in_step = 0
         try:
             for layer, forward in self.bound:
                 layer.forward = forward

@@ -144,6 +144,19 @@ def _static_loop_batches_rank():
     finally:
         handle.remove()
     hf_zero3.release_decode_graphs(engine.module)
+    # traceable hooks that differ between the layers (the graphs guard on hooks): each layer would
+    # compile a graph of its own, so after the second in one step the step compiles whole
+    layers = engine.module.model.layers
+    handles = [
+        layers[0].mlp.register_forward_pre_hook(lambda m, a: None),
+        layers[1].mlp.register_forward_hook(lambda m, a, o: None),
+    ]
+    try:
+        run("layer_hooks_differ", decode="compiled", decode_options=layered)
+    finally:
+        for h in handles:
+            h.remove()
+    hf_zero3.release_decode_graphs(engine.module)
 
     # a forward hook that stops compiling from its third call (a graph break under fullgraph=True;
     # nothing eagerly): the loop runs the rest of that call eagerly and says why; same tokens
@@ -357,7 +370,8 @@ def test_one_compiled_layer_runs_every_layer_with_compile_layers(batch_results):
     layer runs one compiled layer: one graph for both layers (the greedy tail was compiled by an
     earlier call), none on a second call or with sampling, the tokens of eager decoding, of the
     reference and of seeded sampling, the rope kernel inside it (Triton's interpreter); a layer
-    that does not compile runs its own forward and the call still gives eager decoding's tokens."""
+    that does not compile runs its own forward, and layers that would each compile a graph make
+    the step compile whole: the call still gives eager decoding's tokens."""
     for r in batch_results:
         e = r["layer_step"]
         assert e["loop"] == "hf_zero3" and e["decode"] == "compiled" and e["step"] == "layers", _fields(e)
@@ -373,3 +387,5 @@ def test_one_compiled_layer_runs_every_layer_with_compile_layers(batch_results):
         assert k["layers"] == 2 and k["compiles"] == 1, _fields(k)
         h = r["layer_hooked"]
         assert h["out"] == r["eager"]["out"] and h["layers"] == 0 and h["step"] != "layers", _fields(h)
+        d = r["layer_hooks_differ"]
+        assert d["out"] == r["eager"]["out"] and d["layers"] == 0 and d["step"] == "compiled", _fields(d)
