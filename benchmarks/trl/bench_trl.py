@@ -130,15 +130,19 @@ class _Timer:
         self.step_compiles, self.compiles = 0, []  # Dynamo graphs the step's generate() calls compiled
         self.prompt_lengths = None  # the first rollout's prompt lengths without padding: [shortest, longest]
 
+    def _timed(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` and its seconds, the device synchronized on both sides."""
+        self.sync()
+        t = time.perf_counter()
+        out = fn(*args, **kwargs)
+        self.sync()
+        return out, time.perf_counter() - t
+
     def wrap(self, model):
         original = model.generate
 
         def generate(*args, **kwargs):
-            self.sync()
-            t = time.perf_counter()
-            out = original(*args, **kwargs)
-            self.sync()
-            dt = time.perf_counter() - t
+            out, dt = self._timed(original, *args, **kwargs)
             self.gen_s += dt
             self.step_gen += dt
             last = getattr(model, "hf_zero3_last_generate", None)
@@ -157,11 +161,8 @@ class _Timer:
         original = trainer._prepare_inputs
 
         def prepare(*args, **kwargs):
-            self.sync()
-            t = time.perf_counter()
-            out = original(*args, **kwargs)
-            self.sync()
-            self.step_prepare += time.perf_counter() - t
+            out, dt = self._timed(original, *args, **kwargs)
+            self.step_prepare += dt
             return out
 
         trainer._prepare_inputs = prepare
