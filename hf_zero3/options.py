@@ -98,11 +98,12 @@ class DecodeOptions:
             each step launches more kernels, as the compiled step fuses the model's pointwise work:
             a call decodes slower, which a GRPO step, where the training dominates, hardly shows
             (benchmarks/RESULTS.md, First call and TRL rollouts).
-        compile_layers: with ``compile_step``, compile one decoder layer's forward, which every
-            layer runs, instead of the whole model's (``HF_ZERO3_COMPILE_LAYERS``; default off): Dynamo
-            traces and inductor compiles one layer whatever the depth; the rest of the forward
-            (embedding, masks, final norm and head) runs eagerly inside the same CUDA graphs, and
-            the fusion across layer boundaries is given up. Taken for the checked
+        compile_layers: with ``compile_step`` (and ``compile_prefill``), compile one decoder layer's
+            forward, which every layer runs, instead of the whole model's, for the decode step (and
+            the prompt's forward, a layer graph of its own) (``HF_ZERO3_COMPILE_LAYERS``; default
+            off): Dynamo traces and inductor compiles one layer whatever the depth; the rest of the
+            forward (embedding, masks, final norm and head) runs eagerly, inside the same CUDA
+            graphs for the steps, and the fusion across layer boundaries is given up. Taken for the checked
             families whose layers all have one type; elsewhere the step compiles whole
             (:mod:`hf_zero3.decode.layer_compile`).
     """
@@ -129,7 +130,7 @@ class DecodeOptions:
         "HF_ZERO3_COMPILE_STEP", True, "the static loop compiles the decode step", rollout=False
     )
     compile_layers: bool | None = _option(
-        "HF_ZERO3_COMPILE_LAYERS", False, "the compiled decode step compiles one decoder layer for every layer"
+        "HF_ZERO3_COMPILE_LAYERS", False, "the compiled step and prompt forward compile one decoder layer for all"
     )
 
     def __post_init__(self):

@@ -25,7 +25,7 @@ _TAIL_FAILED: list = []  # why the greedy tail did not compile (then it runs eag
 # Dynamo, so a dropped compiled function compiles the prompt forward, the decode step or the tail
 # again (tens of seconds: benchmarks/RESULTS.md); the TF32 setting is the one those functions were compiled
 # under, and a forgotten one lets a trainer's flip recompile them (see compiled._tf32_pinned).
-_COMPILED: dict = {}  # (model class or _layer_call, dependent launches) -> its compiled __call__ or layer
+_COMPILED: dict = {}  # (model class or a layer function, dependent launches) -> its compiled __call__ or layer
 _ONCE: dict = {}  # function -> its torch.compile(fullgraph=True), built at first use
 _TF32: list = []  # whether TF32 matmuls were on in the process's first static-loop call
 

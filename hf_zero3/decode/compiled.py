@@ -1,6 +1,6 @@
 """The functions the static loop compiles, and how: the decode step's forward
 (:func:`_compiled_call`), or one decoder layer's (:func:`_compiled_layer`), the prompt's forward
-(:func:`_prompt_logits`) and the greedy tail (:func:`_greedy_tail`), each
+(:func:`_prompt_logits`, or one decoder layer's in it) and the greedy tail (:func:`_greedy_tail`), each
 ``torch.compile(fullgraph=True)`` with inductor's alignment asserts off; the errors that say a
 compile or its code failed; and the TF32 setting they are pinned to. The compiled functions
 themselves are kept in :mod:`.caches`."""
@@ -70,21 +70,29 @@ def _layer_call(layer, *args, **kwargs):
     return type(layer).forward(layer, *args, **kwargs)
 
 
-def _compiled_layer(dependent: bool = False):
-    """:func:`_layer_call` compiled into one graph, once per process (``dependent``: as
-    :func:`_compiled_call`'s). Its graphs guard on the layers' hooks as the whole step's do."""
-    fn = _COMPILED.get((_layer_call, dependent))
+def _prompt_layer_call(layer, *args, **kwargs):
+    """One decoder layer's forward in a prompt's forward: apart from :func:`_layer_call`, so the
+    prompt length that turns dynamic here leaves the decode step's layer graph static."""
+    return type(layer).forward(layer, *args, **kwargs)
+
+
+def _compiled_layer(dependent: bool = False, prompt: bool = False):
+    """:func:`_layer_call` (``prompt``: :func:`_prompt_layer_call`) compiled into one graph, once
+    per process (``dependent``: as :func:`_compiled_call`'s). Its graphs guard on the layers' hooks
+    as the whole step's do."""
+    target = _prompt_layer_call if prompt else _layer_call
+    fn = _COMPILED.get((target, dependent))
     if fn is None:
         options = torch_up.inductor_options_without_alignment_asserts()
         if dependent:
             options.update(torch_up.inductor_dependent_launch_options())
-        compiled = torch.compile(_layer_call, fullgraph=True, **({"options": options} if options else {}))
+        compiled = torch.compile(target, fullgraph=True, **({"options": options} if options else {}))
 
         def fn(layer, *args, **kwargs):
             with torch_up.hook_guards():
                 return compiled(layer, *args, **kwargs)
 
-        _COMPILED[(_layer_call, dependent)] = fn
+        _COMPILED[(target, dependent)] = fn
     return fn
 
 

@@ -1,4 +1,5 @@
-"""The decode step compiled one decoder layer at a time (``DecodeOptions.compile_layers``).
+"""The decode step, and the prompt's forward, compiled one decoder layer at a time
+(``DecodeOptions.compile_layers``).
 
 Compiling the whole model's forward makes Dynamo trace every decoder layer and inductor compile
 each one's kernels, though the layers run the same code over weights of the same shapes: a
@@ -17,7 +18,8 @@ type (``config.layer_types``), each layer's modules sharing one index; elsewhere
 whole (:func:`plan` says why). Where the layers still differ to Dynamo (a hook on one layer's
 module, say: the graphs guard on hooks), a second layer compiling a graph of its own in one step
 makes the step compile whole from the next one on, instead of compiling every layer apart. The
-layers' compiled function is :func:`.compiled._compiled_layer`.
+layers' compiled function is :func:`.compiled._compiled_layer` (the prompt's layers: its own, whose
+prompt length turns dynamic; :func:`.prefill._layered_prefill`).
 """
 
 from __future__ import annotations

@@ -11,8 +11,17 @@ import torch
 from .._upstream import deepspeed as ds_up
 from .._upstream import torch as torch_up
 from .._upstream import transformers as hf_up
+from . import layer_compile
 from .caches import _PREFILL_FAILED
-from .compiled import _COMPILE_ERRORS, _RUN_ERRORS, _compiled_once, _forward_kwargs, _prompt_logits, _why
+from .compiled import (
+    _COMPILE_ERRORS,
+    _RUN_ERRORS,
+    _compiled_layer,
+    _compiled_once,
+    _forward_kwargs,
+    _prompt_logits,
+    _why,
+)
 
 log = logging.getLogger("hf_zero3.generation")
 
@@ -27,15 +36,20 @@ def _prompt_inputs(input_ids, model_kwargs) -> tuple[torch.Tensor, torch.Tensor]
     return mask, positions.expand(input_ids.shape[0], -1)
 
 
-def _prefill(model, input_ids, mask, positions, cache, compile: bool = True) -> tuple[torch.Tensor, str]:
-    """The prompt's forward into the static cache: (its last position's logits, "compiled" or
-    "eager"). Compiled (``_prompt_logits``) with the prompt length dynamic, so prompts of any
-    length share one graph per batch size, and with the decode steps' hook suspensions; eager as
-    transformers runs it, without DeepSpeed's per-linear autograd Function under ``no_grad``, where
-    it does not compile or its compiled code fails as it runs (the reason kept per model, one log
-    line) or without ``compile`` (:attr:`~hf_zero3.options.DecodeOptions.compile_prefill`).
-    Compilation fails before any kernel runs, so the eager forward after it starts clean; after a
-    run-time failure the static cache is emptied first."""
+def _prefill(
+    model, input_ids, mask, positions, cache, compile: bool = True, layers: str | None = None
+) -> tuple[torch.Tensor, str]:
+    """The prompt's forward into the static cache: (its last position's logits, "compiled",
+    "layers" or "eager"). Compiled (``_prompt_logits``) with the prompt length dynamic, so prompts
+    of any length share one graph per batch size, and with the decode steps' hook suspensions; with
+    ``layers`` (the decoder layers' name from :func:`.layer_compile.plan`, under
+    :attr:`~hf_zero3.options.DecodeOptions.compile_layers`) the model's forward with each decoder
+    layer through one compiled layer instead (:func:`_layered_prefill`); eager as transformers runs
+    it, without DeepSpeed's per-linear autograd Function under ``no_grad``, where it does not
+    compile or its compiled code fails as it runs (the reason kept per model, one log line) or
+    without ``compile`` (:attr:`~hf_zero3.options.DecodeOptions.compile_prefill`). Compilation
+    fails before any kernel runs, so the eager forward after it starts clean; after a run-time
+    failure the static cache is emptied first."""
     kwargs = dict(
         input_ids=input_ids,
         attention_mask=mask,
@@ -44,7 +58,19 @@ def _prefill(model, input_ids, mask, positions, cache, compile: bool = True) -> 
         **hf_up.cache_arguments(cache),
         **_forward_kwargs(model),
     )
-    if compile and model not in _PREFILL_FAILED:
+    if compile and layers is not None and model not in _PREFILL_FAILED:
+        try:
+            out = _layered_prefill(model, cache, kwargs, layers)
+        except torch.OutOfMemoryError:
+            raise
+        except _RUN_ERRORS as exc:  # a compiled layer's code failed as it ran: as the compiled forward's
+            _PREFILL_FAILED[model] = why = f"the compiled prompt layer failed as it ran ({_why(exc)})"
+            log.warning("hf_zero3 lockstep: eager prefill: %s", why)
+            cache.reset()
+        else:
+            if out is not None:
+                return out
+    if compile and model not in _PREFILL_FAILED:  # the whole forward (or where the layers could not bind)
         dims = {}
         for name in ("input_ids", "attention_mask", "position_ids"):
             # contiguous (a sliced prompt's row stride is not its length: Dynamo would guard on
@@ -73,6 +99,31 @@ def _prefill(model, input_ids, mask, positions, cache, compile: bool = True) -> 
             cache.reset()  # the layers it wrote before failing start again from an empty cache
     with ds_up.zero3_linear_without_autograd():
         return model(**kwargs).logits[:, -1], "eager"
+
+
+def _layered_prefill(model, cache, kwargs: dict, name: str) -> tuple[torch.Tensor, str] | None:
+    """The prompt's forward as the model's own, each decoder layer through one compiled layer
+    (:mod:`.layer_compile`; its own graph, apart from the decode step's): (logits, "layers"), or
+    (logits, "eager") where a layer did not compile (the reason kept per model), or None where the
+    layers cannot be bound (nothing ran)."""
+    layers = layer_compile.Layers(name)
+    if not layers.bind(model, cache, _compiled_layer(prompt=True)):
+        return None
+    try:
+        with (
+            hf_up.input_grad_hooks_suspended(model),
+            ds_up.engine_forward_hooks_suspended(model),
+            ds_up.zero3_linear_without_autograd(),
+            layers.use(),
+        ):
+            logits = model(**kwargs).logits[:, -1]
+    finally:
+        layers.end()
+    if layers.failed is not None:
+        _PREFILL_FAILED[model] = why = f"the prompt's layer does not compile into one graph ({layers.failed})"
+        log.warning("hf_zero3 lockstep: eager prefill: %s", why)
+        return logits, "eager"
+    return logits, "layers"
 
 
 def _eos_ids(stopping_criteria, device) -> torch.Tensor | None:

@@ -68,6 +68,7 @@ import torch
 from .._upstream import torch as torch_up
 from .._upstream import transformers as hf_up
 from ..options import DecodeOptions
+from . import layer_compile
 from .caches import _PREFILL_FAILED
 from .caches import release as release  # the decode engine's entry points, named here
 from .compiled import _tf32_pinned
@@ -106,7 +107,8 @@ def decode(
         mask, positions = _prompt_inputs(input_ids, model_kwargs)
         # the prompt's forward is queued first: the host looks up (or builds) the loop while it runs
         with phase("prefill"):
-            logits, prefill = _prefill(model, input_ids, mask, positions, cache, options.compile_prefill)
+            layers = layer_compile.plan(model)[0] if options.compile_prefill and options.compile_layers else None
+            logits, prefill = _prefill(model, input_ids, mask, positions, cache, options.compile_prefill, layers)
         with phase("loop_lookup"):
             loop, kept = _loop_for(model, input_ids, logits_processor, generation_config, eos, eos_key, cache, options)
         try:

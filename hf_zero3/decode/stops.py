@@ -34,7 +34,7 @@ class LoopOutcome:
     capture_s: float = 0.0  # host seconds spent capturing CUDA graphs
     loop_reused: bool = False  # the static buffers came from an earlier call
     graphs_reused: bool = False  # replayed CUDA graphs an earlier call captured
-    prefill: str | None = None  # the prompt's forward: "compiled" or "eager"
+    prefill: str | None = None  # the prompt's forward: "compiled", "layers" or "eager"
     prefill_reason: str | None = None  # why it ran eagerly (None: compiled, or not asked to compile)
     step: str | None = None  # the decode steps' forward: "compiled", "layers" or "eager"
     report: DecodeReport | None = None  # the parts the steps computed their own way

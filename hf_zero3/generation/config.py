@@ -140,7 +140,7 @@ class LockstepStats:
     graph_capture_s: float = 0.0  # host seconds the call spent capturing its CUDA graphs
     loop_reused: bool = False  # the static loop's buffers came from an earlier call (see hf_zero3.decode.static_loop)
     graphs_reused: bool = False  # replayed CUDA graphs an earlier call captured (same parameters, cache, state)
-    prefill: str | None = None  # the static loop's prompt forward: "compiled" or "eager" (None: not its loop)
+    prefill: str | None = None  # the static loop's prompt forward: "compiled", "layers" or "eager" (None: not its loop)
     prefill_reason: str | None = None  # why it ran eagerly (None: compiled, or compile_prefill=False)
     step: str | None = None  # the static loop's decode steps: "compiled", "layers" or "eager" (None: not its loop)
     decode_report: DecodeReport = field(default_factory=DecodeReport)  # the parts the static loop computed its way

@@ -71,6 +71,10 @@ def _static_loop_batches_rank():
     layered = hf_zero3.DecodeOptions(compile_prefill=False, compile_layers=True)
     run("layer_step", decode="compiled", decode_options=layered)
     run("layer_step_again", decode="compiled", decode_options=layered)
+    # the prompt's forward the same way (compile_prefill on): a layer graph of its own
+    layered_prompt = hf_zero3.DecodeOptions(compile_layers=True)
+    run("layer_prefill", decode="compiled", decode_options=layered_prompt)
+    run("layer_prefill_again", decode="compiled", decode_options=layered_prompt)
     # the same call under torch's profiler: the loop's phases are ranges in its trace
     # (hf_zero3.decode.phases), with the same tokens and graphs as without one
     from torch.profiler import ProfilerActivity, profile
@@ -366,9 +370,10 @@ def test_a_prompt_forward_that_does_not_compile_runs_eagerly_and_the_steps_stay_
 
 
 def test_one_compiled_layer_runs_every_layer_with_compile_layers(batch_results):
-    """``DecodeOptions(compile_layers=True)``: the model's forward runs the steps and each decoder
-    layer runs one compiled layer: one graph for both layers (the greedy tail was compiled by an
-    earlier call), none on a second call or with sampling, the tokens of eager decoding, of the
+    """``DecodeOptions(compile_layers=True)``: the model's forward runs the steps (and, with the
+    prompt forward compiled, the prompt's) and each decoder layer runs one compiled layer: one
+    graph for both layers (the greedy tail was compiled by an earlier call), one more for the
+    prompt's layers, none on a second call or with sampling, the tokens of eager decoding, of the
     reference and of seeded sampling, the rope kernel inside it (Triton's interpreter); a layer
     that does not compile runs its own forward, and layers that would each compile a graph make
     the step compile whole: the call still gives eager decoding's tokens."""
@@ -387,5 +392,9 @@ def test_one_compiled_layer_runs_every_layer_with_compile_layers(batch_results):
         assert k["layers"] == 2 and k["compiles"] == 1, _fields(k)
         h = r["layer_hooked"]
         assert h["out"] == r["eager"]["out"] and h["layers"] == 0 and h["step"] != "layers", _fields(h)
+        p, p2 = r["layer_prefill"], r["layer_prefill_again"]
+        assert p["prefill"] == "layers" and p["step"] == "layers" and p["prefill_reason"] is None, _fields(p)
+        assert p["out"] == r["eager"]["out"] and p["compiles"] == 1, _fields(p)  # the prompt's layer graph
+        assert p2["out"] == p["out"] and p2["compiles"] == 0 and p2["prefill"] == "layers", _fields(p2)
         d = r["layer_hooks_differ"]
         assert d["out"] == r["eager"]["out"] and d["layers"] == 0 and d["step"] == "compiled", _fields(d)
