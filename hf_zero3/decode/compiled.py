@@ -49,18 +49,25 @@ def _compiled_call(cls, dependent: bool = False):
     once per class: an unbound function holds no model alive. Its graphs guard on the modules'
     hooks (``_upstream.torch.hook_guards``): a call with other hooks compiles again. ``dependent``:
     inductor's kernels are programmatic dependent launches (:func:`.features.dependent_launches`)."""
-    fn = _COMPILED.get((cls, dependent))
+    return _compiled_with_hook_guards(cls, cls.__call__, dependent)
+
+
+def _compiled_with_hook_guards(key, target, dependent: bool):
+    """``target`` compiled into one graph with the decode options (inductor's alignment asserts
+    off; ``dependent``: programmatic dependent launches), called with hook guards on; built once
+    per ``(key, dependent)`` and kept in :data:`.caches._COMPILED`."""
+    fn = _COMPILED.get((key, dependent))
     if fn is None:
         options = torch_up.inductor_options_without_alignment_asserts()
         if dependent:
             options.update(torch_up.inductor_dependent_launch_options())
-        compiled = torch.compile(cls.__call__, fullgraph=True, **({"options": options} if options else {}))
+        compiled = torch.compile(target, fullgraph=True, **({"options": options} if options else {}))
 
-        def fn(model, **kwargs):
+        def fn(*args, **kwargs):
             with torch_up.hook_guards():
-                return compiled(model, **kwargs)
+                return compiled(*args, **kwargs)
 
-        _COMPILED[(cls, dependent)] = fn
+        _COMPILED[(key, dependent)] = fn
     return fn
 
 
@@ -81,19 +88,7 @@ def _compiled_layer(dependent: bool = False, prompt: bool = False):
     per process (``dependent``: as :func:`_compiled_call`'s). Its graphs guard on the layers' hooks
     as the whole step's do."""
     target = _prompt_layer_call if prompt else _layer_call
-    fn = _COMPILED.get((target, dependent))
-    if fn is None:
-        options = torch_up.inductor_options_without_alignment_asserts()
-        if dependent:
-            options.update(torch_up.inductor_dependent_launch_options())
-        compiled = torch.compile(target, fullgraph=True, **({"options": options} if options else {}))
-
-        def fn(layer, *args, **kwargs):
-            with torch_up.hook_guards():
-                return compiled(layer, *args, **kwargs)
-
-        _COMPILED[(target, dependent)] = fn
-    return fn
+    return _compiled_with_hook_guards(target, target, dependent)
 
 
 def _prompt_logits(model, **kwargs):

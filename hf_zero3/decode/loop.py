@@ -208,13 +208,13 @@ class _Loop:
                 log.warning("hf_zero3 lockstep: static loop without torch.compile: %s", why)
                 self.call, self.compiled = type(self.model).__call__, False
                 out = self.call(self.model, **kwargs)
-        if self.layers is not None and self.layers.failed is not None and self.call is type(self.model).__call__:
-            if self.step_kind == "compiled":  # a layer did not compile: the whole step compiles from the next
-                log.warning(
-                    "hf_zero3 lockstep: the decode step compiles whole, not one layer at a time: %s",
-                    self.layers.failed,
-                )
-                self._choose_call()
+        if self.step_kind == "compiled" and self.call is type(self.model).__call__:
+            # the compiled layers failed in this step (the only way the two disagree): the whole
+            # step compiles from the next one
+            log.warning(
+                "hf_zero3 lockstep: the decode step compiles whole, not one layer at a time: %s", self.layers.failed
+            )
+            self._choose_call()
         for f in self.features:
             f.after_step(self.cache)
         self._choose(out.logits[:, -1])
