@@ -440,6 +440,30 @@ def static_cache_counters_on(cache, device) -> int:
     return moved
 
 
+def sliding_layers_unslid(cache, length: int) -> int:
+    """A sliding-window layer of the static cache (``StaticSlidingWindowLayer``, what
+    ``cache_implementation="static"`` builds for a model with ``config.sliding_window``, as
+    Mistral's default config has) that holds ``length`` tokens never slides in a call of that
+    length: until it is full it writes at its fill count and reports the mask sizes of a
+    ``StaticLayer`` of its size, and the model's window mask (the config's window, at least the
+    layer's size) masks nothing causal masking does not. But it also keeps its fill count as a
+    Python int, advanced on the host at each update, which a step replayed from a CUDA graph would
+    not advance. So each such layer not used yet becomes a ``StaticLayer`` of its size, which the
+    static loop can take. Returns how many were replaced."""
+    from transformers import cache_utils
+
+    sliding = getattr(cache_utils, "StaticSlidingWindowLayer", None)
+    layers = getattr(cache, "layers", None)
+    if sliding is None or not isinstance(layers, list):
+        return 0
+    replaced = 0
+    for i, layer in enumerate(layers):
+        if type(layer) is sliding and layer.max_cache_len >= length and not getattr(layer, "is_initialized", True):
+            layers[i] = cache_utils.StaticLayer(max_cache_len=layer.max_cache_len)
+            replaced += 1
+    return replaced
+
+
 def decoder_only_output(sequences, cache):
     """What transformers' ``_sample`` returns under ``return_dict_in_generate`` when no per-step
     output was asked for: its output class with the sequences and the cache."""

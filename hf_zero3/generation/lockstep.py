@@ -182,6 +182,9 @@ class Zero3GenerationMixin:
             and call.compile
             and self._valid_auto_compile_criteria(model_kwargs, generation_config)
         ):
+            length = input_ids.shape[1] + int(call.budget)
+            # a sliding-window layer this call cannot fill is a static layer (before its counter moves)
+            hf_up.sliding_layers_unslid(hf_up.generation_cache(model_kwargs), length)
             # either loop's prompt forward would move each static layer's fill count with a host sync
             hf_up.static_cache_counters_on(hf_up.generation_cache(model_kwargs), input_ids.device)
             # DeepCompile's next training forward would reset Dynamo and discard what compiles here:
@@ -194,7 +197,7 @@ class Zero3GenerationMixin:
                 generation_config,
                 streamer,
                 model_kwargs,
-                input_ids.shape[1] + int(call.budget),
+                length,
             )
             if why is None:
                 return static_loop.decode(

@@ -62,6 +62,11 @@ def tiny_qwen2_config(**overrides):
     return _config("Qwen2Config", {**_TINY, "tie_word_embeddings": True}, overrides)
 
 
+def tiny_mistral_config(**overrides):
+    """:func:`tiny_llama_config`'s sizes as a Mistral, with Mistral's default sliding window (4096)."""
+    return _config("MistralConfig", {**_TINY, "tie_word_embeddings": False}, overrides)
+
+
 def small_llama_config(**overrides):
     """A 4-layer Llama, hidden 1024, GQA 16/8 heads, vocab 32000, SDPA (112M parameters): large
     enough for GPU kernels and DeepCompile to behave as on a real model, quick to build."""
@@ -151,9 +156,12 @@ def model_class_for(config):
     """The generation model class for a tiny config (imported before any ``zero.Init``)."""
     import transformers
 
-    name = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "t5": "T5ForConditionalGeneration"}[
-        config.model_type
-    ]
+    name = {
+        "llama": "LlamaForCausalLM",
+        "mistral": "MistralForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "t5": "T5ForConditionalGeneration",
+    }[config.model_type]
     return getattr(transformers, name)
 
 

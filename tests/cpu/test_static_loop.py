@@ -398,3 +398,58 @@ def test_one_compiled_layer_runs_every_layer_with_compile_layers(batch_results):
         assert p2["out"] == p["out"] and p2["compiles"] == 0 and p2["prefill"] == "layers", _fields(p2)
         d = r["layer_hooks_differ"]
         assert d["out"] == r["eager"]["out"] and d["layers"] == 0 and d["step"] == "compiled", _fields(d)
+
+
+def _sliding_window_rank():
+    """A Mistral built from its default config (a 4096-token sliding window) through the static loop,
+    the step eager and compiled, and one whose window is shorter than the call (2 ranks, fp32)."""
+    import torch
+    import torch.distributed as dist
+    from _zero3_workers import build_engine
+
+    import hf_zero3
+
+    rank = dist.get_rank()
+    out = {}
+    for window in (None, 8):
+        engine, ref = build_engine(
+            "tiny_mistral_config", hf_aware=False, **({"sliding_window": window} if window else {})
+        )
+        torch.manual_seed(rank)
+        ids = torch.randint(3, 90, (3, 7))
+        mask = torch.ones_like(ids)
+        ids[0, : 2 + rank], mask[0, : 2 + rank] = 0, 0  # left padding, a different length on each rank
+        gen = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0)
+        with torch.no_grad():
+            reference = ref.generate(**gen, do_sample=False).tolist()
+        for step in ("eager", "compiled"):
+            mark(f"case window={window} step={step}")
+            opts = hf_zero3.DecodeOptions(compile_prefill=False, compile_step=step == "compiled")
+            with torch.no_grad():
+                got = hf_zero3.lockstep_generate(engine, gather="all", decode="compiled", decode_options=opts, **gen)
+            s = engine.module.hf_zero3_last_generate
+            out[f"{window}_{step}"] = dict(
+                out=got.tolist(),
+                reference=reference,
+                loop=s.loop,
+                loop_reason=s.loop_reason,
+                step=s.step,
+                compiles=s.compiles,
+            )
+    return out
+
+
+def test_a_sliding_window_longer_than_the_call_takes_the_static_loop():
+    """Mistral's default config builds sliding-window cache layers; a call that cannot fill the window
+    never slides, so the loop runs it on static layers (the compiled step: one graph, a host-side
+    fill count would have compiled one per step) with the reference's tokens. A window shorter than
+    the call falls back to transformers' loop and says why."""
+    for r in run_ranks(_sliding_window_rank, 2, timeout=300, pg_timeout=60):
+        for step in ("eager", "compiled"):
+            c = r[f"None_{step}"]
+            assert c["loop"] == "hf_zero3" and c["loop_reason"] is None and c["step"] == step, c
+            assert c["out"] == c["reference"], c
+            short = r[f"8_{step}"]
+            assert short["loop"] == "transformers" and "it would slide" in short["loop_reason"], short
+            assert short["out"] == short["reference"], short
+        assert r["None_compiled"]["compiles"] == 2, r["None_compiled"]  # the step and the greedy tail

@@ -708,6 +708,23 @@ def test_static_cache_counters_are_made_on_the_device_before_the_prompt_forward(
     assert hf_up.static_cache_counters_on(cache, torch.device("meta")) == 0  # already there
 
 
+def test_a_sliding_window_static_cache_layer_the_call_cannot_fill_becomes_a_static_layer():
+    """What ``sliding_layers_unslid`` reads: ``cache_implementation="static"`` builds a
+    ``StaticSlidingWindowLayer`` per layer for Mistral's default config, sized the smaller of the
+    cache and the window; a layer a call fits in (and not used yet) becomes a ``StaticLayer`` of
+    that size, a shorter one stays."""
+    from transformers import MistralConfig, StaticCache, cache_utils
+
+    cache = StaticCache(config=MistralConfig(num_hidden_layers=3, sliding_window=32), max_cache_len=48)
+    assert [type(x) for x in cache.layers] == [cache_utils.StaticSlidingWindowLayer] * 3
+    assert [x.max_cache_len for x in cache.layers] == [32] * 3  # the window
+    assert hf_up.sliding_layers_unslid(cache, 40) == 0  # 40 tokens would slide a 32-token window
+    cache.layers[1].is_initialized = True  # as after a first update: not touched
+    assert hf_up.sliding_layers_unslid(cache, 32) == 2
+    assert [type(x).__name__ for x in cache.layers] == ["StaticLayer", "StaticSlidingWindowLayer", "StaticLayer"]
+    assert cache.layers[0].max_cache_len == 32 and not cache.layers[0].is_initialized
+
+
 def test_lockstep_overrides_only_the_private_generation_methods_upstream_lists():
     """Zero3GenerationMixin's private overrides are exactly hf_zero3._upstream.transformers.OVERRIDDEN,
     and each still exists on GenerationMixin (one of the two encoder hooks) with the same parameters."""
