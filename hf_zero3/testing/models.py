@@ -73,6 +73,11 @@ def small_llama_config(**overrides):
     return _config("LlamaConfig", _SMALL, overrides)
 
 
+def small_mistral_config(**overrides):
+    """:func:`small_llama_config`'s sizes as a Mistral, with Mistral's default sliding window (4096)."""
+    return _config("MistralConfig", _SMALL, overrides)
+
+
 def small_qwen2_config(**overrides):
     """:func:`small_llama_config`'s sizes as a Qwen2."""
     return _config("Qwen2Config", _SMALL, overrides)

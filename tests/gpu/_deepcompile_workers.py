@@ -28,7 +28,8 @@ def dc_config(world_size: int, deepcompile: bool = True) -> dict:
     return cfg
 
 
-def build(deepcompile: bool = True, compile_: bool = True, torch_adam: bool = False):
+def build(deepcompile: bool = True, compile_: bool = True, torch_adam: bool = False, config=None):
+    """``config``: another model config than the Llama's (the same sizes)."""
     import deepspeed
     import torch.distributed as dist
 
@@ -37,7 +38,7 @@ def build(deepcompile: bool = True, compile_: bool = True, torch_adam: bool = Fa
     ds = dc_config(dist.get_world_size(), deepcompile)
     if torch_adam:
         ds["optimizer"]["params"]["torch_adam"] = True
-    model = models.zero3_model(models.small_llama_config(), ds, seed=0, dtype=torch.bfloat16)
+    model = models.zero3_model(config or models.small_llama_config(), ds, seed=0, dtype=torch.bfloat16)
     engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
     if compile_:
         engine.compile()
