@@ -117,6 +117,22 @@ def compiled_decode(new_tokens: int = 48):
     return out
 
 
+def check_graphs_replay_the_steps(res: list, step: str) -> None:
+    """What every :func:`eager_step_graphs` run must show (``step``: the call's step kind): the
+    captured graphs replay on the next call, they give the tokens of the steps run one by one and
+    of seeded sampling, each token is the eager forward's argmax within the bf16 tolerance
+    (teacher-forced), and the ranks ran as many forwards."""
+    for r in res:
+        g, plain, again = r["graphs"], r["plain"], r["again"]
+        assert g["graph_steps"] == 8 and plain["graph_steps"] == 0, (g, plain)
+        assert again["reused"] and again["compiles"] == 0, again  # the captured graphs replay
+        assert r["same"], r
+        tf = r["teacher_forced"]
+        assert tf["tokens"] > 0 and tf["max_margin"] <= 0.05 * max(1.0, tf["max_abs_logit"]), tf
+        assert r["sampled_same"] and r["sampled_step"] == step, r
+    assert len({r["graphs"]["forwards"] for r in res}) == 1
+
+
 def _sampled_captured_and_stepped(engine, ids, seed: int, **kw) -> tuple[list, list, object]:
     """Sampling with the processors the loop computes (top-p, repetition_penalty), the same seed,
     captured in CUDA graphs of 8 steps and run step by step: (both token lists, the captured call's

@@ -11,18 +11,12 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.timeout(600)
 def test_eager_steps_in_cuda_graphs_match_the_steps_run_one_by_one():
-    from _decode_workers import eager_step_graphs
+    from _decode_workers import check_graphs_replay_the_steps, eager_step_graphs
 
     res = _run(eager_step_graphs, timeout=500)
     for r in res:
-        g, plain, again = r["graphs"], r["plain"], r["again"]
+        g = r["graphs"]
         assert g["loop"] == "hf_zero3" and g["decode"] == "compiled" and g["step"] == "eager", g
         assert g["prefill"] == "eager" and g["compiles"] == 0, g  # nothing compiled, not even the greedy tail
-        assert g["graph_steps"] == 8 and plain["graph_steps"] == 0, (g, plain)
         assert g["rope_attention"] == 4 and g["split_k"] == 8, g  # hf_zero3's kernels, launched eagerly
-        assert again["reused"] and again["compiles"] == 0, again  # the captured graphs replay
-        assert r["same"], r
-        tf = r["teacher_forced"]
-        assert tf["tokens"] > 0 and tf["max_margin"] <= 0.05 * max(1.0, tf["max_abs_logit"]), tf
-        assert r["sampled_same"] and r["sampled_step"] == "eager", r
-    assert len({r["graphs"]["forwards"] for r in res}) == 1
+    check_graphs_replay_the_steps(res, "eager")

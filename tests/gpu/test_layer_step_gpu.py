@@ -12,20 +12,14 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.timeout(600)
 def test_one_compiled_layer_serves_every_layer_in_cuda_graphs():
-    from _decode_workers import eager_step_graphs
+    from _decode_workers import check_graphs_replay_the_steps, eager_step_graphs
 
     res = _run(eager_step_graphs, 40, True, timeout=500)
     for r in res:
-        g, plain, again = r["graphs"], r["plain"], r["again"]
+        g, plain = r["graphs"], r["plain"]
         assert g["loop"] == "hf_zero3" and g["decode"] == "compiled" and g["step"] == "layers", g
         assert g["compiled_layers"] == 4, g
         # one graph for the four layers, and the greedy tail
-        assert g["prefill"] == "eager" and g["compiles"] == 2, g
-        assert g["graph_steps"] == 8 and plain["graph_steps"] == 0 and plain["compiles"] == 0, (g, plain)
+        assert g["prefill"] == "eager" and g["compiles"] == 2 and plain["compiles"] == 0, (g, plain)
         assert g["rope_attention"] == 4 and g["split_k"] == 8, g
-        assert again["reused"] and again["compiles"] == 0, again
-        assert r["same"], r
-        tf = r["teacher_forced"]
-        assert tf["tokens"] > 0 and tf["max_margin"] <= 0.05 * max(1.0, tf["max_abs_logit"]), tf
-        assert r["sampled_same"] and r["sampled_step"] == "layers", r
-    assert len({r["graphs"]["forwards"] for r in res}) == 1
+    check_graphs_replay_the_steps(res, "layers")

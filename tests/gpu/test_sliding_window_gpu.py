@@ -11,17 +11,12 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.timeout(600)
 def test_a_sliding_window_model_decodes_in_cuda_graphs():
-    from _decode_workers import eager_step_graphs
+    from _decode_workers import check_graphs_replay_the_steps, eager_step_graphs
 
     res = _run(eager_step_graphs, 40, False, True, timeout=500)
     for r in res:
-        g, plain, again = r["graphs"], r["plain"], r["again"]
+        g = r["graphs"]
         assert g["loop"] == "hf_zero3" and g["reason"] is None and g["step"] == "eager", g
-        assert g["compiles"] == 0 and g["graph_steps"] == 8 and plain["graph_steps"] == 0, (g, plain)
+        assert g["compiles"] == 0, g
         assert g["mlp_kernels"] == 4, g  # Mistral's MLPs through hf_zero3's kernels
-        assert again["reused"] and again["compiles"] == 0, again
-        assert r["same"], r
-        tf = r["teacher_forced"]
-        assert tf["tokens"] > 0 and tf["max_margin"] <= 0.05 * max(1.0, tf["max_abs_logit"]), tf
-        assert r["sampled_same"] and r["sampled_step"] == "eager", r
-    assert len({r["graphs"]["forwards"] for r in res}) == 1
+    check_graphs_replay_the_steps(res, "eager")
