@@ -442,24 +442,29 @@ def static_cache_counters_on(cache, device) -> int:
 
 def sliding_layers_unslid(cache, length: int) -> int:
     """A sliding-window layer of the static cache (``StaticSlidingWindowLayer``, what
-    ``cache_implementation="static"`` builds for a model with ``config.sliding_window``, as
-    Mistral's default config has) that holds ``length`` tokens never slides in a call of that
-    length: until it is full it writes at its fill count and reports the mask sizes of a
-    ``StaticLayer`` of its size, and the model's window mask (the config's window, at least the
-    layer's size) masks nothing causal masking does not. But it also keeps its fill count as a
-    Python int, advanced on the host at each update, which a step replayed from a CUDA graph would
-    not advance. So each such layer not used yet becomes a ``StaticLayer`` of its size, which the
-    static loop can take. Returns how many were replaced."""
+    ``cache_implementation="static"`` builds for a model with a ``config.sliding_window``, as
+    Mistral's default config has, sized the smaller of the cache and the window) that holds
+    ``length`` tokens never slides in a call of that length: the model's window mask (the
+    config's window) then masks nothing causal masking does not. But the layer keeps its fill
+    count as a Python int too, advanced on the host at each update, which a step replayed from a
+    CUDA graph would not advance. So in a cache of static and sliding-window layers only, each
+    sliding layer not used yet that holds ``length`` tokens becomes a ``StaticLayer`` as long as
+    the cache's longest layer: the model builds one mask for all its sliding layers from the
+    first one's sizes (a hybrid model's included), and with every layer one ``StaticLayer`` of one
+    length that mask fits them all. Returns how many were replaced."""
     from transformers import cache_utils
 
     sliding = getattr(cache_utils, "StaticSlidingWindowLayer", None)
     layers = getattr(cache, "layers", None)
-    if sliding is None or not isinstance(layers, list):
+    if sliding is None or not isinstance(layers, list) or not layers:
         return 0
+    if any(type(layer) not in (sliding, cache_utils.StaticLayer) for layer in layers):
+        return 0
+    size = max(layer.max_cache_len for layer in layers)
     replaced = 0
     for i, layer in enumerate(layers):
         if type(layer) is sliding and layer.max_cache_len >= length and not getattr(layer, "is_initialized", True):
-            layers[i] = cache_utils.StaticLayer(max_cache_len=layer.max_cache_len)
+            layers[i] = cache_utils.StaticLayer(max_cache_len=size)
             replaced += 1
     return replaced
 

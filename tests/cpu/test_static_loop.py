@@ -401,8 +401,10 @@ def test_one_compiled_layer_runs_every_layer_with_compile_layers(batch_results):
 
 
 def _sliding_window_rank():
-    """A Mistral built from its default config (a 4096-token sliding window) through the static loop,
-    the step eager and compiled, and one whose window is shorter than the call (2 ranks, fp32)."""
+    """Models with sliding-window attention through the static loop, the step eager and compiled
+    (2 ranks, fp32): a Mistral built from its default config (a 4096-token window), a Qwen2 whose
+    second layer slides (a hybrid cache: one full layer, one sliding), and each with a window
+    shorter than the call."""
     import torch
     import torch.distributed as dist
     from _zero3_workers import build_engine
@@ -410,25 +412,30 @@ def _sliding_window_rank():
     import hf_zero3
 
     rank = dist.get_rank()
+    hybrid = dict(use_sliding_window=True, max_window_layers=1)
+    models = {
+        "mistral": ("tiny_mistral_config", {}),
+        "mistral_short": ("tiny_mistral_config", {"sliding_window": 8}),
+        "hybrid": ("tiny_qwen2_config", {**hybrid, "sliding_window": 16}),
+        "hybrid_short": ("tiny_qwen2_config", {**hybrid, "sliding_window": 8}),
+    }
     out = {}
-    for window in (None, 8):
-        engine, ref = build_engine(
-            "tiny_mistral_config", hf_aware=False, **({"sliding_window": window} if window else {})
-        )
+    for name, (config, overrides) in models.items():
+        engine, ref = build_engine(config, hf_aware=False, **overrides)
         torch.manual_seed(rank)
         ids = torch.randint(3, 90, (3, 7))
         mask = torch.ones_like(ids)
         ids[0, : 2 + rank], mask[0, : 2 + rank] = 0, 0  # left padding, a different length on each rank
-        gen = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0)
+        gen = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0)  # 13 tokens
         with torch.no_grad():
             reference = ref.generate(**gen, do_sample=False).tolist()
         for step in ("eager", "compiled"):
-            mark(f"case window={window} step={step}")
+            mark(f"case {name} step={step}")
             opts = hf_zero3.DecodeOptions(compile_prefill=False, compile_step=step == "compiled")
             with torch.no_grad():
                 got = hf_zero3.lockstep_generate(engine, gather="all", decode="compiled", decode_options=opts, **gen)
             s = engine.module.hf_zero3_last_generate
-            out[f"{window}_{step}"] = dict(
+            out[f"{name}_{step}"] = dict(
                 out=got.tolist(),
                 reference=reference,
                 loop=s.loop,
@@ -440,16 +447,18 @@ def _sliding_window_rank():
 
 
 def test_a_sliding_window_longer_than_the_call_takes_the_static_loop():
-    """Mistral's default config builds sliding-window cache layers; a call that cannot fill the window
-    never slides, so the loop runs it on static layers (the compiled step: one graph, a host-side
-    fill count would have compiled one per step) with the reference's tokens. A window shorter than
-    the call falls back to transformers' loop and says why."""
+    """Mistral's default config builds sliding-window cache layers, and a Qwen2 with a sliding window
+    on some layers a hybrid cache; a call that cannot fill the window never slides, so the loop runs
+    it on static layers of one length (the compiled step: one graph, where a host-side fill count
+    would have compiled one per step) with the reference's tokens. A window shorter than the call
+    falls back to transformers' loop and says why."""
     for r in run_ranks(_sliding_window_rank, 2, timeout=300, pg_timeout=60):
-        for step in ("eager", "compiled"):
-            c = r[f"None_{step}"]
-            assert c["loop"] == "hf_zero3" and c["loop_reason"] is None and c["step"] == step, c
-            assert c["out"] == c["reference"], c
-            short = r[f"8_{step}"]
-            assert short["loop"] == "transformers" and "it would slide" in short["loop_reason"], short
-            assert short["out"] == short["reference"], short
-        assert r["None_compiled"]["compiles"] == 2, r["None_compiled"]  # the step and the greedy tail
+        for name in ("mistral", "hybrid"):
+            for step in ("eager", "compiled"):
+                c = r[f"{name}_{step}"]
+                assert c["loop"] == "hf_zero3" and c["loop_reason"] is None and c["step"] == step, (name, c)
+                assert c["out"] == c["reference"], (name, c)
+                short = r[f"{name}_short_{step}"]
+                assert short["loop"] == "transformers" and "it would slide" in short["loop_reason"], (name, short)
+                assert short["out"] == short["reference"], (name, short)
+        assert r["mistral_compiled"]["compiles"] == 2, r["mistral_compiled"]  # the step and the greedy tail

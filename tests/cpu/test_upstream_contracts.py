@@ -710,10 +710,12 @@ def test_static_cache_counters_are_made_on_the_device_before_the_prompt_forward(
 
 def test_a_sliding_window_static_cache_layer_the_call_cannot_fill_becomes_a_static_layer():
     """What ``sliding_layers_unslid`` reads: ``cache_implementation="static"`` builds a
-    ``StaticSlidingWindowLayer`` per layer for Mistral's default config, sized the smaller of the
-    cache and the window; a layer a call fits in (and not used yet) becomes a ``StaticLayer`` of
-    that size, a shorter one stays."""
+    ``StaticSlidingWindowLayer`` per sliding layer (every layer of Mistral's default config, some of
+    a hybrid model's), sized the smaller of the cache and the window; a layer a call fits in (and
+    not used yet) becomes a ``StaticLayer`` as long as the cache's longest layer, a shorter one stays."""
     from transformers import MistralConfig, StaticCache, cache_utils
+
+    from hf_zero3.testing import models
 
     cache = StaticCache(config=MistralConfig(num_hidden_layers=3, sliding_window=32), max_cache_len=48)
     assert [type(x) for x in cache.layers] == [cache_utils.StaticSlidingWindowLayer] * 3
@@ -723,6 +725,12 @@ def test_a_sliding_window_static_cache_layer_the_call_cannot_fill_becomes_a_stat
     assert hf_up.sliding_layers_unslid(cache, 32) == 2
     assert [type(x).__name__ for x in cache.layers] == ["StaticLayer", "StaticSlidingWindowLayer", "StaticLayer"]
     assert cache.layers[0].max_cache_len == 32 and not cache.layers[0].is_initialized
+
+    config = models.tiny_qwen2_config(use_sliding_window=True, sliding_window=32, max_window_layers=1)
+    hybrid = StaticCache(config=config, max_cache_len=48)
+    assert [type(x).__name__ for x in hybrid.layers] == ["StaticLayer", "StaticSlidingWindowLayer"]
+    assert hf_up.sliding_layers_unslid(hybrid, 20) == 1
+    assert [(type(x).__name__, x.max_cache_len) for x in hybrid.layers] == [("StaticLayer", 48)] * 2
 
 
 def test_lockstep_overrides_only_the_private_generation_methods_upstream_lists():
