@@ -108,6 +108,23 @@ def runs_class_forward(module: torch.nn.Module) -> bool:
     return "forward" not in vars(module) and not module._forward_hooks and not module._forward_pre_hooks
 
 
+@contextlib.contextmanager
+def instance_forwards(pairs):
+    """Inside: each module of ``pairs`` (``(module, forward)``) runs ``forward`` as its own
+    (``nn.Module`` calls an instance's ``forward`` before its class's); after, each forward set
+    here is removed again. ``pairs`` is read inside, so a forward built lazily that raises leaves
+    the ones set before it removed."""
+    patched = []
+    try:
+        for module, forward in pairs:
+            module.forward = forward
+            patched.append(module)
+        yield
+    finally:
+        for module in patched:
+            vars(module).pop("forward", None)
+
+
 def module_has(module: torch.nn.Module, name: str) -> bool:
     """``hasattr(module, name)`` without ``nn.Module.__getattr__``'s failed lookup (it raises, and
     the caller runs this over every module of a model once per generate call): the instance's own

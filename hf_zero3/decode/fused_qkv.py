@@ -184,21 +184,14 @@ class Fused:
     @contextlib.contextmanager
     def use(self):
         """Inside: the bound modules' projections are slices of one GEMM (nothing when unbound)."""
-        patched = []
         try:
-            for p in self.parents:
-                slot = _SLOTS[p]
-                for name in NAMES:
-                    mod = getattr(p, name)
-                    fn = _FORWARDS.get(mod)
-                    if fn is None:
-                        fn = _FORWARDS[mod] = _forward(slot, name, mod)
-                    mod.forward = fn
-                    patched.append(mod)
-            yield
+            mods = [(_SLOTS[p], name, getattr(p, name)) for p in self.parents for name in NAMES]
+            with torch_up.instance_forwards(
+                (mod, _FORWARDS.get(mod) or _FORWARDS.setdefault(mod, _forward(slot, name, mod)))
+                for slot, name, mod in mods
+            ):
+                yield
         finally:
-            for mod in patched:
-                vars(mod).pop("forward", None)
             for p in self.parents:
                 slot = _SLOTS[p]
                 slot.x, slot.out = None, {}

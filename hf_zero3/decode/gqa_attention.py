@@ -400,23 +400,17 @@ def rope_use(
     ``dependent``: the kernel is a programmatic dependent launch (the loop planned it); ``qkv``
     (:func:`rope_qkv`'s op): the fused q/k/v projection (:mod:`.fused_qkv`, bound this call)
     runs through it and the kernel sums its float32 partials."""
-    patched = []
+    made = [(m, _ROPE_FORWARDS, _rope_forward) for m in modules]
+    made += [(r, _ROTARY_FORWARDS, _rotary_forward) for r in rotaries] if modules else []
     try:
-        if modules:
-            for m, forwards, make in [(m, _ROPE_FORWARDS, _rope_forward) for m in modules] + [
-                (r, _ROTARY_FORWARDS, _rotary_forward) for r in rotaries
-            ]:
-                fn = forwards.get(m)
-                if fn is None:
-                    fn = forwards[m] = make(m)
-                m.forward = fn
-                patched.append(m)
-            _STEP["padding"], _STEP["dependent"], _STEP["qkv"] = padding_mask, dependent, qkv
-        yield
+        with torch_up.instance_forwards(
+            (m, forwards.get(m) or forwards.setdefault(m, make(m))) for m, forwards, make in made
+        ):
+            if modules:
+                _STEP["padding"], _STEP["dependent"], _STEP["qkv"] = padding_mask, dependent, qkv
+            yield
     finally:
         _STEP["padding"], _STEP["dependent"], _STEP["qkv"] = None, False, None
-        for m in patched:
-            vars(m).pop("forward", None)
 
 
 def advance(modules: list, cache) -> None:

@@ -24,7 +24,6 @@ prompt length turns dynamic; :func:`.prefill._layered_prefill`).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import weakref
 
@@ -133,19 +132,10 @@ class Layers:
         self.bound = bound
         return len(bound)
 
-    @contextlib.contextmanager
     def use(self):
         """Inside: each bound layer's forward runs the compiled layer over its own view of the cache."""
-        patched = []
         self.compiled_in_step = 0
-        try:
-            for layer, forward in self.bound:
-                layer.forward = forward
-                patched.append(layer)
-            yield
-        finally:
-            for layer in patched:
-                vars(layer).pop("forward", None)
+        return torch_up.instance_forwards(self.bound)
 
     def end(self) -> None:
         self.bound = []

@@ -25,7 +25,6 @@ is built.
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 
 import torch
@@ -176,25 +175,21 @@ def counts(modules: list[nn.Module], split: bool) -> tuple[int, int]:
     return len(mlps), len(modules) - len(mlps) + downs
 
 
-@contextlib.contextmanager
 def use(modules: list[nn.Module], split: bool, dependent: bool = False):
     """Inside: ``modules`` (:func:`bind`) run through the kernels (``split``: down through the
     split-K kernel too; ``dependent``: the kernels as programmatic dependent launches; as the loop
     was planned)."""
-    patched = []
-    try:
-        for m in modules:
-            kept = _FORWARDS.setdefault(m, {})
-            parts = _parts(m)
-            entry = kept.get((split, dependent))
-            if entry is None or len(entry[0]) != len(parts) or any(a is not b for a, b in zip(entry[0], parts)):
-                entry = kept[(split, dependent)] = (
-                    parts,
-                    _split_forward(m, dependent) if isinstance(m, nn.Linear) else _forward(m, split, dependent),
-                )
-            m.forward = entry[1]
-            patched.append(m)
-        yield
-    finally:
-        for m in patched:
-            vars(m).pop("forward", None)
+    return torch_up.instance_forwards((m, _kept_forward(m, split, dependent)) for m in modules)
+
+
+def _kept_forward(m: nn.Module, split: bool, dependent: bool):
+    """``m``'s kernel forward for ``(split, dependent)``, built once while its parts stay the same."""
+    kept = _FORWARDS.setdefault(m, {})
+    parts = _parts(m)
+    entry = kept.get((split, dependent))
+    if entry is None or len(entry[0]) != len(parts) or any(a is not b for a, b in zip(entry[0], parts)):
+        entry = kept[(split, dependent)] = (
+            parts,
+            _split_forward(m, dependent) if isinstance(m, nn.Linear) else _forward(m, split, dependent),
+        )
+    return entry[1]
