@@ -93,7 +93,7 @@ def _sliding_window(cache) -> int | None:
 
     sliding = getattr(cache_utils, "StaticSlidingWindowLayer", None)
     sizes = [layer.max_cache_len for layer in getattr(cache, "layers", None) or () if type(layer) is sliding]
-    return min(sizes) if sizes and sliding is not None else None
+    return min(sizes) if sizes else None
 
 
 def _cache_length(cache) -> int:

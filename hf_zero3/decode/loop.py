@@ -103,7 +103,6 @@ class _Loop:
         self.out[:, :budget].fill_(self.pad)
         self.alive.fill_(True)
         self.extra = _forward_kwargs(model)
-        self._choose_call()
 
     def _choose_call(self) -> None:
         whole = self.step_kind == "compiled"

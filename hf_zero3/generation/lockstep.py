@@ -182,11 +182,11 @@ class Zero3GenerationMixin:
             and call.compile
             and self._valid_auto_compile_criteria(model_kwargs, generation_config)
         ):
-            length = input_ids.shape[1] + int(call.budget)
+            length, cache = input_ids.shape[1] + int(call.budget), hf_up.generation_cache(model_kwargs)
             # a sliding-window layer this call cannot fill is a static layer (before its counter moves)
-            hf_up.sliding_layers_unslid(hf_up.generation_cache(model_kwargs), length)
+            hf_up.sliding_layers_unslid(cache, length)
             # either loop's prompt forward would move each static layer's fill count with a host sync
-            hf_up.static_cache_counters_on(hf_up.generation_cache(model_kwargs), input_ids.device)
+            hf_up.static_cache_counters_on(cache, input_ids.device)
             # DeepCompile's next training forward would reset Dynamo and discard what compiles here:
             # its pending passes launch (and reset) now, before the loop compiles
             ds_up.launch_pending_compile_passes(call.rt.engine)
