@@ -97,14 +97,25 @@ def plan(model: nn.Module) -> tuple[str, ...]:
 PARTIAL_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def partials(parent: nn.Module, x: torch.Tensor, op, split: int):
-    """The fused q/k/v GEMM of ``parent`` (an attention module bound this call) over ``x`` through
-    the split-K ``op`` (:func:`hf_zero3.kernels.decode_gemm.load_dependent`'s): its three parts as
-    float32 partial sums, views ``(split, rows, features)`` of one buffer, for a consumer that sums
-    them itself (the fused rope kernel). None where that does not apply: nothing bound, biases, more
-    rows than the kernel takes, another dtype than the weight's half precision, autocast."""
+def slot_of(parent: nn.Module) -> _Slot:
+    """``parent``'s slot (made empty if it has none), for a forward built outside the compiled
+    step's trace to hold. Inside a trace, Dynamo resolves a weak dictionary's lookup once, with no
+    guard on the key: one compiled decoder layer run by every layer would read the first traced
+    layer's fused weight in all of them."""
     slot = _SLOTS.get(parent)
-    if slot is None or slot.weight is None or slot.bias is not None:
+    if slot is None:
+        slot = _SLOTS[parent] = _Slot(NAMES)
+    return slot
+
+
+def partials(slot: _Slot, x: torch.Tensor, op, split: int):
+    """The fused q/k/v GEMM of an attention module bound this call (its :func:`slot_of`) over
+    ``x`` through the split-K ``op`` (:func:`hf_zero3.kernels.decode_gemm.load_dependent`'s): its
+    three parts as float32 partial sums, views ``(split, rows, features)`` of one buffer, for a
+    consumer that sums them itself (the fused rope kernel). None where that does not apply: nothing
+    bound, biases, more rows than the kernel takes, another dtype than the weight's half precision,
+    autocast."""
+    if slot.weight is None or slot.bias is not None:
         return None
     rows = x.reshape(-1, x.shape[-1])
     w = slot.weight
@@ -163,9 +174,7 @@ class Fused:
         try:
             with torch.no_grad():
                 for p, (rows, width, bias) in zip(parents, layout):
-                    slot = _SLOTS.get(p)
-                    if slot is None:
-                        slot = _SLOTS[p] = _Slot(NAMES)
+                    slot = slot_of(p)
                     n = sum(rows)
                     slot.weight = self.buffer[at : at + n * width].view(n, width)
                     torch.cat([getattr(p, name).weight for name in NAMES], out=slot.weight)

@@ -322,6 +322,7 @@ def _rope_forward(module):
     ref = weakref.ref(module)  # kept per module in a weak dictionary: must not hold its key
     own = type(module).forward
     key = hf_up.cache_keyword()  # read here, outside the compiled step's trace
+    slot = fused_qkv.slot_of(module)  # likewise: a lookup inside the trace is resolved once for every layer
 
     def forward(hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs):
         m = ref()
@@ -351,7 +352,7 @@ def _rope_forward(module):
         b, d = hidden_states.shape[0], m.head_dim
         op = _STEP["qkv"]
         split = decode_gemm.split_for(hidden_states.shape[-1]) if op is not None else 1
-        parts = fused_qkv.partials(m, hidden_states, op, split) if split > 1 else None
+        parts = fused_qkv.partials(slot, hidden_states, op, split) if split > 1 else None
         if parts is not None:  # float32 partial sums (split, rows, features), summed by the kernel
             q, k = (p.view(split, b, -1, d) for p in parts[:2])
             v = parts[2].view(split, b, k.shape[2], -1)

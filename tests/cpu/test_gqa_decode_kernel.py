@@ -273,14 +273,17 @@ def test_rope_kernel_sums_float32_partials_of_its_projections(split):
 
 
 def test_llama_decode_steps_with_qkv_partials_match_the_fused_projection(monkeypatch):
-    """A Llama whose fused q/k/v projection runs through the split-K GEMM, its float32 partials
-    summed inside the rope kernel (the decode loop's ``qkv`` op): the same logits and cache as the
-    fused projection's own GEMM feeding the same kernel, and the kernel really received partials.
-    In float32 (the interpreter's bf16 dot is not exact; the GPU runs bf16): the test widens the
-    dtypes the partials take, which on a GPU are half precision only."""
+    """A two-layer Llama whose fused q/k/v projection runs through the split-K GEMM, its float32
+    partials summed inside the rope kernel (the decode loop's ``qkv`` op): the same logits and cache
+    as the fused projection's own GEMM feeding the same kernel, and the kernel really received
+    partials; the same again with each decoder layer through one compiled layer
+    (``compile_layers``), where every layer must read its own fused weight (a lookup of it inside
+    the trace was resolved once, for the first layer). In float32 (the interpreter's bf16 dot is
+    not exact; the GPU runs bf16): the test widens the dtypes the partials take, which on a GPU are
+    half precision only."""
     from transformers import StaticCache
 
-    from hf_zero3.decode import fused_qkv, gqa_attention
+    from hf_zero3.decode import compiled, fused_qkv, gqa_attention, layer_compile
     from hf_zero3.kernels import decode_gemm, gqa_decode
     from hf_zero3.testing import models
 
@@ -290,23 +293,34 @@ def test_llama_decode_steps_with_qkv_partials_match_the_fused_projection(monkeyp
         intermediate_size=64,
         num_attention_heads=8,
         num_key_value_heads=2,
-        num_hidden_layers=1,
+        num_hidden_layers=2,
     )
     model = models.plain_model(cfg)
     monkeypatch.setattr(fused_qkv, "PARTIAL_DTYPES", (torch.float32,))
     names = gqa_attention.rope_plan(model, gqa_attention.KERNEL)
     fused = fused_qkv.Fused(fused_qkv.plan(model))
-    assert fused.bind(model) == 1
+    assert fused.bind(model) == 2
     split_op = decode_gemm.load()[2]  # the plain launch of the split-K kernel (dependent ones need a GPU)
     seen, real = [], gqa_decode.rope_decode_attention
     monkeypatch.setattr(gqa_decode, "rope_decode_attention", lambda *a, **k: seen.append(a[0].dim()) or real(*a, **k))
     ids, mask = torch.tensor([[0, 5, 6, 7], [3, 4, 5, 6]]), torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    # Dynamo alone: the lookup the layers must not share is resolved while tracing
+    layer_fn = torch.compile(compiled._layer_call, fullgraph=True, backend="eager")
+
+    def traceable_split(rows, w, split):  # the split-K op's partials in torch (the interpreter's op is not traceable)
+        k = rows.shape[-1] // split
+        return torch.stack([rows[:, i * k : (i + 1) * k] @ w[:, i * k : (i + 1) * k].T for i in range(split)])
+
     runs = {}
-    for qkv in (None, split_op):
+    for run, qkv in (("own", None), ("partials", split_op), ("layers", traceable_split)):
+        if run == "layers":  # the counting wrapper's list would be a guard that differs between layers
+            monkeypatch.setattr(gqa_decode, "rope_decode_attention", real)
         cache = StaticCache(config=model.config, max_cache_len=16)
+        layers = layer_compile.Layers(layer_compile.plan(model)[0])
         with torch.no_grad():
             model(input_ids=ids, attention_mask=mask, **hf_up.cache_arguments(cache), use_cache=True)
             bound = gqa_attention.rope_bind(model, names, cache)
+            assert run != "layers" or layers.bind(model, cache, layer_fn) == 2
             whole = torch.ones(2, 16, dtype=mask.dtype)
             whole[:, :4] = mask
             logits = []
@@ -316,6 +330,7 @@ def test_llama_decode_steps_with_qkv_partials_match_the_fused_projection(monkeyp
                     gqa_attention.use(model, gqa_attention.KERNEL),
                     fused.use(),
                     gqa_attention.rope_use(bound, whole, qkv=qkv),
+                    layers.use(),
                 ):
                     logits.append(
                         model(
@@ -327,17 +342,22 @@ def test_llama_decode_steps_with_qkv_partials_match_the_fused_projection(monkeyp
                         ).logits.float()
                     )
                 gqa_attention.advance(bound, cache)
-        runs[qkv is None] = (logits, cache.layers[0].keys.float().clone(), cache.layers[0].values.float().clone())
+        assert layers.failed is None, layers.failed
+        runs[run] = (logits, [t.float().clone() for layer in cache.layers for t in (layer.keys, layer.values)])
         assert gqa_attention._STEP["qkv"] is None  # reset after the step
-    assert seen == [3, 3, 4, 4]  # the projections' outputs, then partials (split, rows, heads, dim)
-    (own, k1, v1), (ours, k2, v2) = runs[True], runs[False]
-    for a, b in zip(ours, own):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(k2, k1, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(v2, v1, rtol=1e-4, atol=1e-4)
+    # per step and layer: the projections' outputs, then partials (split, rows, heads, dim)
+    assert seen == [3] * 4 + [4] * 4, seen
+    own_logits, own_cache = runs["own"]
+    for run in ("partials", "layers"):
+        logits, cache = runs[run]
+        for a, b in zip(logits, own_logits):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=run)
+        for a, b in zip(cache, own_cache):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=run)
     monkeypatch.setattr(fused_qkv, "PARTIAL_DTYPES", (torch.float16, torch.bfloat16))
     # float32 weights outside the test's widening: the projections' own GEMM
-    assert fused_qkv.partials(model.model.layers[0].self_attn, torch.ones(2, 1, 1024), split_op, 2) is None
+    slot = fused_qkv.slot_of(model.model.layers[0].self_attn)
+    assert fused_qkv.partials(slot, torch.ones(2, 1, 1024), split_op, 2) is None
     fused.free()
 
 
