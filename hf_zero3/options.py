@@ -105,7 +105,8 @@ class DecodeOptions:
             forward (embedding, masks, final norm and head) runs eagerly, inside the same CUDA
             graphs for the steps, and the fusion across layer boundaries is given up. Taken for the checked
             families whose layers all have one type; elsewhere the step compiles whole
-            (:mod:`hf_zero3.decode.layer_compile`).
+            (:mod:`hf_zero3.decode.layer_compile`). Off by default: a shorter first call for a
+            slower rollout (benchmarks/RESULTS.md, First call).
     """
 
     fuse_qkv: bool | None = _option("HF_ZERO3_FUSE_QKV", True, "q/k/v projections of a decode step as one GEMM")
