@@ -454,7 +454,7 @@ def sliding_layers_unslid(cache, length: int) -> int:
     length that mask fits them all. Returns how many were replaced."""
     from transformers import cache_utils
 
-    sliding = getattr(cache_utils, "StaticSlidingWindowLayer", None)
+    sliding = _sliding_layer_class()
     layers = getattr(cache, "layers", None)
     if sliding is None or not isinstance(layers, list) or not layers:
         return 0
@@ -467,6 +467,20 @@ def sliding_layers_unslid(cache, length: int) -> int:
             layers[i] = cache_utils.StaticLayer(max_cache_len=size)
             replaced += 1
     return replaced
+
+
+def sliding_layer_lengths(cache) -> list[int]:
+    """The sizes of ``cache``'s sliding-window static layers (after :func:`sliding_layers_unslid`:
+    those a call would slide)."""
+    sliding = _sliding_layer_class()
+    return [layer.max_cache_len for layer in getattr(cache, "layers", None) or () if type(layer) is sliding]
+
+
+def _sliding_layer_class():
+    """transformers' ``StaticSlidingWindowLayer`` (None in a release without it)."""
+    from transformers import cache_utils
+
+    return getattr(cache_utils, "StaticSlidingWindowLayer", None)
 
 
 def decoder_only_output(sequences, cache):

@@ -68,10 +68,10 @@ def unsupported(
     if mask is not None and mask.dim() != 2:
         return "attention_mask is not a 2-D padding mask"
     cache = hf_up.generation_cache(model_kwargs)
-    window = _sliding_window(cache)
-    if window is not None:
+    windows = hf_up.sliding_layer_lengths(cache)
+    if windows:
         return (
-            f"a sliding-window cache layer holds {window} tokens, fewer than prompt + new tokens "
+            f"a sliding-window cache layer holds {min(windows)} tokens, fewer than prompt + new tokens "
             f"({length}): it would slide"
         )
     if cache is None or not _static_layers(cache):
@@ -84,16 +84,6 @@ def unsupported(
 
 #: Generation options that ask transformers' loop for per-step tensors the static loop does not keep.
 _PER_STEP_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
-
-
-def _sliding_window(cache) -> int | None:
-    """The size of ``cache``'s smallest sliding-window layer left after
-    ``_upstream.transformers.sliding_layers_unslid`` (None: none left)."""
-    from transformers import cache_utils
-
-    sliding = getattr(cache_utils, "StaticSlidingWindowLayer", None)
-    sizes = [layer.max_cache_len for layer in getattr(cache, "layers", None) or () if type(layer) is sliding]
-    return min(sizes) if sizes else None
 
 
 def _cache_length(cache) -> int:
