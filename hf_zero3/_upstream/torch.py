@@ -202,6 +202,24 @@ def probe_cpu_vec_isa() -> None:
     pick_vec_isa()
 
 
+# Dynamo refuses a module with backward hooks unless compiled autograd is on ("Module-level
+# backwards hooks require compiled autograd"), also under ``no_grad``, where such a hook never fires
+# (``BackwardHook.setup_input_hook`` and ``setup_output_hook`` return their tensors untouched when
+# grad is off). DeepSpeed's ZeRO-3 puts one on every leaf module (``reduce_leaf_module_grads``; a
+# MoE block such as Qwen3-MoE's or Mixtral's is made a leaf by default in DeepSpeed 0.19), so a
+# compiled decode step of any MoE model under ZeRO-3 ran eagerly.
+def backward_hooks_suspended(model: torch.nn.Module):
+    """Inside (with gradients off only): the module backward hooks of ``model``'s modules do not
+    run, which they would not under ``no_grad`` anyway, and a compiled forward traces no
+    backward-hook wrapper."""
+    entries = []
+    if not torch.is_grad_enabled():
+        for m in model.modules():
+            for table in (m._backward_hooks, m._backward_pre_hooks):
+                entries.extend((table, key) for key in list(table))
+    return hooks_suspended(entries)
+
+
 # Dynamo does not guard on nn.Module hooks by default (``torch._dynamo.config.
 # skip_nnmodule_hook_guards``, True in torch 2.11-2.13): a compiled forward keeps running the hooks
 # it was traced with after hooks are added or removed. A decode step compiled once per model class

@@ -12,7 +12,9 @@ import inspect
 
 import torch
 
+from .._upstream import deepspeed as ds_up
 from .._upstream import torch as torch_up
+from .._upstream import transformers as hf_up
 from .caches import _COMPILED, _ONCE, _TF32
 
 _COMPILE_ERRORS = torch_up.dynamo_compile_errors()
@@ -69,6 +71,20 @@ def _compiled_with_hook_guards(key, target, dependent: bool):
 
         _COMPILED[(key, dependent)] = fn
     return fn
+
+
+@contextlib.contextmanager
+def bookkeeping_hooks_suspended(model):
+    """Inside a ``no_grad`` decode forward: the hooks on ``model`` that only do training bookkeeping
+    do not run (nothing for them to do, and each would stop a compiled forward): checkpointing's
+    input-require-grads hook, the DeepSpeed engine's forward prologue/epilogue, and module backward
+    hooks (ZeRO-3's on its leaf modules, a MoE block's among them)."""
+    with (
+        hf_up.input_grad_hooks_suspended(model),
+        ds_up.engine_forward_hooks_suspended(model),
+        torch_up.backward_hooks_suspended(model),
+    ):
+        yield
 
 
 def _layer_call(layer, *args, **kwargs):

@@ -21,6 +21,7 @@ from .compiled import (
     _forward_kwargs,
     _prompt_logits,
     _why,
+    bookkeeping_hooks_suspended,
 )
 
 log = logging.getLogger("hf_zero3.generation")
@@ -80,11 +81,7 @@ def _prefill(
                 torch_up.mark_dynamic_if_possible(t, 1)
             dims[name] = t
         try:
-            with (
-                hf_up.input_grad_hooks_suspended(model),
-                ds_up.engine_forward_hooks_suspended(model),
-                torch_up.hook_guards(),
-            ):
+            with bookkeeping_hooks_suspended(model), torch_up.hook_guards():
                 return _compiled_once(_prompt_logits)(model, **{**kwargs, **dims}), "compiled"
         except _COMPILE_ERRORS as exc:
             _PREFILL_FAILED[model] = why = f"the prompt's forward does not compile into one graph ({_why(exc)})"
@@ -110,12 +107,7 @@ def _layered_prefill(model, cache, kwargs: dict, name: str) -> tuple[torch.Tenso
     if not layers.bind(model, cache, _compiled_layer(prompt=True)):
         return None
     try:
-        with (
-            hf_up.input_grad_hooks_suspended(model),
-            ds_up.engine_forward_hooks_suspended(model),
-            ds_up.zero3_linear_without_autograd(),
-            layers.use(),
-        ):
+        with bookkeeping_hooks_suspended(model), ds_up.zero3_linear_without_autograd(), layers.use():
             logits = model(**kwargs).logits[:, -1]
     finally:
         layers.end()
