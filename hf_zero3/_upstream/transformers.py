@@ -199,6 +199,14 @@ CHECKED_SOURCES = {
     "transformers.models.mistral.modeling_mistral.MistralMLP.forward": "4a9e0f851f1aaf4d",
     "transformers.models.qwen2.modeling_qwen2.Qwen2MLP.forward": "4a9e0f851f1aaf4d",
     "transformers.models.qwen3.modeling_qwen3.Qwen3MLP.forward": "4a9e0f851f1aaf4d",
+    # 5.25 (the cache keyword ``cache``), 5.23 (also clears ``next_sequence_length``), 5.17
+    "transformers.models.phi3.modeling_phi3.Phi3ForCausalLM.prepare_inputs_for_generation": (
+        "0a2a1cc214e0740b",
+        "5840db95a957482f",
+        "931445e8dcc51322",
+    ),
+    # the window ring layers keep (hf_zero3.decode.ring_cache): the last ``sliding_window`` tokens
+    "transformers.masking_utils.sliding_window_overlay": "1a46897c4520d5f0",
     "transformers.generation.logits_process.MinNewTokensLengthLogitsProcessor.__call__": (
         "6925b27f19d2dcf5",
         "6c78e5e631c971a5",
@@ -454,7 +462,7 @@ def sliding_layers_unslid(cache, length: int) -> int:
     length that mask fits them all. Returns how many were replaced."""
     from transformers import cache_utils
 
-    sliding = _sliding_layer_class()
+    sliding = sliding_layer_class()
     layers = getattr(cache, "layers", None)
     if sliding is None or not isinstance(layers, list) or not layers:
         return 0
@@ -472,15 +480,73 @@ def sliding_layers_unslid(cache, length: int) -> int:
 def sliding_layer_lengths(cache) -> list[int]:
     """The sizes of ``cache``'s sliding-window static layers (after :func:`sliding_layers_unslid`:
     those a call would slide)."""
-    sliding = _sliding_layer_class()
+    sliding = sliding_layer_class()
     return [layer.max_cache_len for layer in getattr(cache, "layers", None) or () if type(layer) is sliding]
 
 
-def _sliding_layer_class():
+def sliding_layer_class():
     """transformers' ``StaticSlidingWindowLayer`` (None in a release without it)."""
     from transformers import cache_utils
 
     return getattr(cache_utils, "StaticSlidingWindowLayer", None)
+
+
+def causal_lm_class(config):
+    """The causal-LM class ``AutoModelForCausalLM`` builds for ``config`` (its model mapping: the
+    class itself, to import before ``deepspeed.zero.Init`` wraps ``__init__``)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM._model_mapping[type(config)]
+
+
+def linear_attention_layer_class():
+    """transformers' ``LinearAttentionLayer`` (a linear-attention layer's conv and recurrent states,
+    static tensors updated in place, as ``StaticCache`` builds it for Qwen3.5 / Qwen3-Next; None in a
+    release without it)."""
+    from transformers import cache_utils
+
+    return getattr(cache_utils, "LinearAttentionLayer", None)
+
+
+def layer_state_tensors(layer) -> list[tuple[str, "object"]]:
+    """(name, tensor) of every tensor a cache layer holds, those a linear-attention layer keeps in
+    its per-state dicts (``conv_states``, ``recurrent_states``) included."""
+    import torch
+
+    found = []
+    for k, v in sorted(vars(layer).items()):
+        if isinstance(v, torch.Tensor):
+            found.append((k, v))
+        elif isinstance(v, dict):
+            found += [(f"{k}.{i}", t) for i, t in sorted(v.items()) if isinstance(t, torch.Tensor)]
+    return found
+
+
+def experts_implementation(model) -> str | None:
+    """The expert computation a MoE model of transformers' experts interface runs
+    (``config._experts_implementation``: ``grouped_mm`` by default where torch has it, ``batched_mm``,
+    ``eager``), read from its first experts module (a class ``use_experts_implementation``
+    decorated: it gives the class ``_apply_gate``); None for a model without one."""
+    for m in model.modules():
+        if hasattr(type(m), "_apply_gate") and hasattr(m, "config"):
+            return getattr(m.config, "_experts_implementation", None)
+    return None
+
+
+#: What a decoder's forward says where it takes a prepared mask per layer type (``attention_mask``
+#: as a mapping from ``config.layer_types`` entries to masks, as ``generate()`` may pass it): the
+#: decoders of Gemma 2/3/4, gpt-oss, Qwen2/3 and Qwen3.5 in transformers 5.17-5.25.
+MASK_MAPPING_SOURCE = "isinstance(causal_mask_mapping := attention_mask, dict)"
+
+
+def mask_mapping_accepted(model) -> bool:
+    """``model``'s decoder (its ``base_model``) takes ``attention_mask`` as a mapping from layer type
+    to a prepared mask (:data:`MASK_MAPPING_SOURCE` in its forward's source)."""
+    base = getattr(model, "base_model", model)
+    try:
+        return MASK_MAPPING_SOURCE in inspect.getsource(type(base).forward)
+    except (OSError, TypeError):
+        return False
 
 
 def decoder_only_output(sequences, cache):

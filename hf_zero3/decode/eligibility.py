@@ -5,7 +5,7 @@ gives in ``hf_zero3_last_generate.loop_reason``."""
 from __future__ import annotations
 
 from .._upstream import transformers as hf_up
-from . import logits_processors
+from . import families, logits_processors, ring_cache
 from .caches import _FAILED
 
 # Criteria the loop computes itself: the step budget, and EOS on the token just chosen.
@@ -26,10 +26,21 @@ _MODEL_KWARGS = frozenset(
 
 
 def _static_layers(cache) -> bool:
+    """Every layer is one the loop steps in place: a static layer, a ring (:mod:`.ring_cache`), or a
+    linear-attention layer's static states (not recording its past for a rollback)."""
     from transformers.cache_utils import StaticLayer
 
+    linear = hf_up.linear_attention_layer_class()
     layers = getattr(cache, "layers", None)
-    return bool(layers) and all(type(layer) is StaticLayer for layer in layers)
+    return (
+        bool(layers)
+        and all(
+            type(layer) in (StaticLayer, ring_cache.RingLayer)
+            or (linear is not None and type(layer) is linear and not layer.record_past)
+            for layer in layers
+        )
+        and any(hasattr(layer, "max_cache_len") for layer in layers)
+    )
 
 
 def unsupported(
@@ -42,7 +53,9 @@ def unsupported(
     if model in _FAILED:
         return _FAILED[model]
     if type(model).prepare_inputs_for_generation is not GenerationMixin.prepare_inputs_for_generation:
-        return f"{type(model).__name__} prepares its own generation inputs"
+        why = families.generation_inputs_reason(model, length)
+        if why is not None:
+            return why
     if streamer is not None:
         return "a streamer was passed"
     if generation_config.return_dict_in_generate:
@@ -69,10 +82,10 @@ def unsupported(
         return "attention_mask is not a 2-D padding mask"
     cache = hf_up.generation_cache(model_kwargs)
     windows = hf_up.sliding_layer_lengths(cache)
-    if windows:
+    if windows:  # ring_cache.make_rings left them: why_not says why
         return (
             f"a sliding-window cache layer holds {min(windows)} tokens, fewer than prompt + new tokens "
-            f"({length}): it would slide"
+            f"({length}), and cannot slide as a ring: {ring_cache.why_not(model, cache)}"
         )
     if cache is None or not _static_layers(cache):
         return "the cache is not transformers' StaticCache (StaticLayer layers)"
@@ -87,8 +100,13 @@ _PER_STEP_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "out
 
 
 def _cache_length(cache) -> int:
-    """Tokens every layer of a static cache holds."""
-    return min(layer.max_cache_len for layer in cache.layers)
+    """Tokens of a call every layer of a static cache holds (a ring: every call up to its span; a
+    linear-attention layer: any)."""
+    return min(
+        layer.span if type(layer) is ring_cache.RingLayer else layer.max_cache_len
+        for layer in cache.layers
+        if hasattr(layer, "max_cache_len")
+    )
 
 
 def failure(model) -> str | None:

@@ -38,6 +38,9 @@ class DecodeReport:
     dependent_launches: bool = False  # the steps' kernels were programmatic dependent launches
     qkv_partials: bool = False  # fused q/k/v ran split-K into the rope kernel, which summed the partials
     fallbacks: tuple[str, ...] = ()  # parts of the model family's fast path left to its own code, and why
+    experts: str | None = None  # a MoE model's expert computation (transformers' experts implementation)
+    ring_layers: int = 0  # sliding-window layers that slid as rings (hf_zero3.decode.ring_cache)
+    linear_attention_layers: int = 0  # linear-attention layers whose states the steps updated in place
 
 
 class Feature:

@@ -9,9 +9,8 @@ import logging
 
 import torch
 
-from .._upstream import deepspeed as ds_up
 from .._upstream import transformers as hf_up
-from . import families, features, logits_processors
+from . import families, features, logits_processors, ring_cache
 from .caches import _FAILED, _TAIL_FAILED
 from .compiled import (
     _COMPILE_ERRORS,
@@ -21,6 +20,7 @@ from .compiled import (
     _greedy_tail,
     _record_token,
     _why,
+    bookkeeping_hooks_suspended,
 )
 
 log = logging.getLogger("hf_zero3.generation")
@@ -29,12 +29,9 @@ _SMALL = 16  # elements: a cache tensor this small is a counter, handed back rat
 
 
 def _tensor_ptrs(obj, big: bool = False) -> tuple:
-    """(name, address) of every tensor attribute of ``obj`` (``big``: only those above ``_SMALL``)."""
-    return tuple(
-        (k, v.data_ptr())
-        for k, v in sorted(vars(obj).items())
-        if isinstance(v, torch.Tensor) and (not big or v.numel() > _SMALL)
-    )
+    """(name, address) of every tensor ``obj`` holds, a linear-attention layer's per-state tensors
+    included (``big``: only those above ``_SMALL``)."""
+    return tuple((k, v.data_ptr()) for k, v in hf_up.layer_state_tensors(obj) if not big or v.numel() > _SMALL)
 
 
 class _Loop:
@@ -78,6 +75,7 @@ class _Loop:
         self.compile_step = compile_step  # DecodeOptions.compile_step: off, the model's forward runs the steps
         self.compiled = True  # False: the step's forward did not compile and runs eagerly, uncaptured
         self.model = self.cache = self.prompt = self.processors = None
+        self.rings = False  # the call's cache has ring layers (ring_cache): the loop builds the step's masks
 
     def start(
         self, model, input_ids, mask, positions, cache, processors, generation_config, stopping_criteria, budget, vocab
@@ -127,11 +125,18 @@ class _Loop:
         captured with."""
         for f in self.features:
             f.bind(self.model, self.cache)
+        self.rings = bool(ring_cache.rings(self.cache))
         self._choose_call()
         self.bind_cache()
 
     def report(self) -> features.DecodeReport:
-        report = features.DecodeReport(fallbacks=families.fallbacks(self.model))
+        linear = hf_up.linear_attention_layer_class()
+        report = features.DecodeReport(
+            fallbacks=families.fallbacks(self.model),
+            experts=hf_up.experts_implementation(self.model),
+            ring_layers=len(ring_cache.rings(self.cache)),
+            linear_attention_layers=sum(type(layer) is linear for layer in self.cache.layers) if linear else 0,
+        )
         for f in self.features:
             f.report(report, self.compiled)
         return report
@@ -193,8 +198,9 @@ class _Loop:
         with contextlib.ExitStack() as parts:
             for f in self.features:
                 parts.enter_context(f.use(self))
-            parts.enter_context(hf_up.input_grad_hooks_suspended(self.model))
-            parts.enter_context(ds_up.engine_forward_hooks_suspended(self.model))
+            parts.enter_context(bookkeeping_hooks_suspended(self.model))
+            if self.rings:  # sliding layers as rings: this step's masks, in the attention's form (features set it)
+                kwargs["attention_mask"] = ring_cache.step_masks(self.model, self.cache, self.mask)
             try:
                 out = self.call(self.model, **kwargs)
             except _COMPILE_ERRORS as exc:

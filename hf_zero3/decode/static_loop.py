@@ -80,6 +80,7 @@ from .loop import _Loop
 from .loop_cache import _forget, _loop_for
 from .phases import phase
 from .prefill import _eos_ids, _prefill, _prompt_inputs
+from .ring_cache import make_rings as make_rings
 from .stops import LoopOutcome, StopAgreement, StopSchedule
 
 

@@ -185,6 +185,8 @@ class Zero3GenerationMixin:
             length, cache = input_ids.shape[1] + int(call.budget), hf_up.generation_cache(model_kwargs)
             # a sliding-window layer this call cannot fill is a static layer (before its counter moves)
             hf_up.sliding_layers_unslid(cache, length)
+            # and one it would fill slides as a ring (where the model takes the loop's masks)
+            static_loop.make_rings(self, cache, length, getattr(generation_config, "max_cache_len", None) or 0)
             # either loop's prompt forward would move each static layer's fill count with a host sync
             hf_up.static_cache_counters_on(cache, input_ids.device)
             # DeepCompile's next training forward would reset Dynamo and discard what compiles here:

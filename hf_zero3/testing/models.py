@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from .._upstream.transformers import causal_lm_class
+
 # transformers forgets an HfDeepSpeedConfig that nothing references; keep ours alive.
 _LIVE_DS_CONFIGS: list[Any] = []
 
@@ -67,6 +69,59 @@ def tiny_mistral_config(**overrides):
     return _config("MistralConfig", {**_TINY, "tie_word_embeddings": False}, overrides)
 
 
+def tiny_qwen3_moe_config(**overrides):
+    """:func:`tiny_llama_config`'s sizes as a Qwen3-MoE: 8 experts of width 16, top-2, every layer sparse."""
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=1, head_dim=8)
+    return _config("Qwen3MoeConfig", {**_TINY, **moe}, overrides)
+
+
+def tiny_mixtral_config(**overrides):
+    """:func:`tiny_llama_config`'s sizes as a Mixtral: 4 experts, top-2."""
+    return _config("MixtralConfig", {**_TINY, "num_local_experts": 4, "num_experts_per_tok": 2}, overrides)
+
+
+def tiny_gpt_oss_config(**overrides):
+    """:func:`tiny_llama_config`'s sizes as a gpt-oss: 4 experts (top-2, biased, clamped SwiGLU),
+    attention sinks, one sliding layer (window 8) and one full layer."""
+    extra = dict(
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        head_dim=8,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    return _config("GptOssConfig", {**_TINY, **extra}, overrides)
+
+
+def tiny_phi3_config(**overrides):
+    """:func:`tiny_llama_config`'s sizes as a Phi-3 (fused gate/up and q/k/v projections, its own
+    ``prepare_inputs_for_generation``; ``original_max_position_embeddings`` 4096 as Phi-3-mini's)."""
+    return _config("Phi3Config", {**_TINY, "original_max_position_embeddings": 4096}, overrides)
+
+
+def tiny_gemma3_config(**overrides):
+    """:func:`tiny_llama_config`'s sizes as a Gemma 3 text model (head dim 8): five sliding layers to
+    one full, as Gemma 3's pattern, over 6 layers, a window of 4."""
+    kinds = ["sliding_attention"] * 5 + ["full_attention"]
+    shape = {**_TINY, "num_hidden_layers": 6, "head_dim": 8, "sliding_window": 4, "layer_types": kinds}
+    return _config("Gemma3TextConfig", shape, overrides)
+
+
+def tiny_qwen3_5_config(**overrides):
+    """:func:`tiny_llama_config`'s sizes as a Qwen3.5 text model: three linear-attention (gated
+    delta rule) layers to one full-attention layer, over 4 layers."""
+    linear = dict(
+        head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        num_hidden_layers=4,
+    )
+    return _config("Qwen3_5TextConfig", {**_TINY, **linear}, overrides)
+
+
 def small_llama_config(**overrides):
     """A 4-layer Llama, hidden 1024, GQA 16/8 heads, vocab 32000, SDPA (112M parameters): large
     enough for GPU kernels and DeepCompile to behave as on a real model, quick to build."""
@@ -99,6 +154,48 @@ def qwen2_0_5b_shape_config(**overrides):
     """Qwen2.5-0.5B's sizes and RoPE (hidden 896, intermediate 4864, 24 layers, GQA 14/2, vocab
     151936, tied embeddings, 494M parameters), SDPA; pad/bos/eos are :func:`tiny_tokenizer`'s."""
     return _config("Qwen2Config", _QWEN2_0_5B, overrides)
+
+
+def qwen3_moe_shape_config(**overrides):
+    """Qwen3-30B-A3B's sizes (hidden 2048, 128 experts of width 768, top-8, GQA 32/4, head dim 128,
+    vocab 151936, 48 layers: pass ``num_hidden_layers`` for a size that fits), SDPA."""
+    moe = dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, head_dim=128, rope_theta=1e6)
+    return _config(
+        "Qwen3MoeConfig",
+        {**_shape(151936, 2048, 6144, 48, 32, 4, 40960, **moe), "attn_implementation": "sdpa"},
+        overrides,
+    )
+
+
+def gemma3_1b_shape_config(**overrides):
+    """Gemma-3-1B's sizes (hidden 1152, intermediate 6912, 26 layers of five sliding (window 512) to
+    one full, 4 query heads to 1 key/value head of dim 256, vocab 262144, tied embeddings), SDPA."""
+    kinds = [("full_attention" if (i + 1) % 6 == 0 else "sliding_attention") for i in range(26)]
+    extra = dict(
+        head_dim=256, sliding_window=512, layer_types=kinds, query_pre_attn_scalar=256, tie_word_embeddings=True
+    )
+    return _config(
+        "Gemma3TextConfig",
+        {**_shape(262144, 1152, 6912, 26, 4, 1, 32768, **extra), "attn_implementation": "sdpa"},
+        overrides,
+    )
+
+
+def phi3_mini_shape_config(**overrides):
+    """Phi-3-mini's sizes (hidden 3072, intermediate 8192, 32 layers, 32 heads of 96, no GQA, vocab
+    32064, ``original_max_position_embeddings`` 4096), SDPA."""
+    extra = dict(original_max_position_embeddings=4096, attn_implementation="sdpa")
+    return _config("Phi3Config", _shape(32064, 3072, 8192, 32, 32, 32, 4096, **extra), overrides)
+
+
+def qwen3_5_shape_config(**overrides):
+    """A Qwen3.5-shaped hybrid (transformers' ``Qwen3_5TextConfig`` defaults: hidden 4096,
+    intermediate 12288, three gated-delta-rule layers to one full-attention layer, GQA 16/4 of dim
+    256, vocab 248320; 32 layers: pass ``num_hidden_layers``, a multiple of 4, for a size that fits), SDPA."""
+    layers = overrides.pop("num_hidden_layers", 32)
+    kinds = [("full_attention" if (i + 1) % 4 == 0 else "linear_attention") for i in range(layers)]
+    extra = dict(head_dim=256, layer_types=kinds, attn_implementation="sdpa")
+    return _config("Qwen3_5TextConfig", _shape(248320, 4096, 12288, layers, 16, 4, 32768, **extra), overrides)
 
 
 def tiny_t5_config(**overrides):
@@ -161,13 +258,9 @@ def model_class_for(config):
     """The generation model class for a tiny config (imported before any ``zero.Init``)."""
     import transformers
 
-    name = {
-        "llama": "LlamaForCausalLM",
-        "mistral": "MistralForCausalLM",
-        "qwen2": "Qwen2ForCausalLM",
-        "t5": "T5ForConditionalGeneration",
-    }[config.model_type]
-    return getattr(transformers, name)
+    if config.model_type == "t5":
+        return transformers.T5ForConditionalGeneration
+    return causal_lm_class(config)
 
 
 def zero3_model(config, ds_config: dict, *, seed: int = 0, dtype: torch.dtype = torch.float32):

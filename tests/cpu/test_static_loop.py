@@ -442,23 +442,25 @@ def _sliding_window_rank():
                 loop_reason=s.loop_reason,
                 step=s.step,
                 compiles=s.compiles,
+                rings=s.decode_report.ring_layers,
             )
     return out
 
 
-def test_a_sliding_window_longer_than_the_call_takes_the_static_loop():
+def test_a_sliding_window_takes_the_static_loop_whether_the_call_fills_it_or_not():
     """Mistral's default config builds sliding-window cache layers, and a Qwen2 with a sliding window
     on some layers a hybrid cache; a call that cannot fill the window never slides, so the loop runs
     it on static layers of one length (the compiled step: one graph, where a host-side fill count
-    would have compiled one per step) with the reference's tokens. A window shorter than the call
-    falls back to transformers' loop and says why."""
+    would have compiled one per step); a window shorter than the call slides as a ring
+    (:mod:`hf_zero3.decode.ring_cache`), one graph too. Both with the reference's tokens."""
     for r in run_ranks(_sliding_window_rank, 2, timeout=300, pg_timeout=60):
         for name in ("mistral", "hybrid"):
             for step in ("eager", "compiled"):
-                c = r[f"{name}_{step}"]
-                assert c["loop"] == "hf_zero3" and c["loop_reason"] is None and c["step"] == step, (name, c)
-                assert c["out"] == c["reference"], (name, c)
-                short = r[f"{name}_short_{step}"]
-                assert short["loop"] == "transformers" and "it would slide" in short["loop_reason"], (name, short)
-                assert short["out"] == short["reference"], (name, short)
+                for case, rings in ((name, 0), (f"{name}_short", 1)):
+                    c = r[f"{case}_{step}"]
+                    assert c["loop"] == "hf_zero3" and c["loop_reason"] is None and c["step"] == step, (case, c)
+                    assert c["out"] == c["reference"], (case, c)
+                    assert (c["rings"] > 0) == bool(rings), (case, c)
         assert r["mistral_compiled"]["compiles"] == 2, r["mistral_compiled"]  # the step and the greedy tail
+        # the ring's step: one graph for every token (the greedy tail compiled already)
+        assert r["mistral_short_compiled"]["compiles"] == 1, r["mistral_short_compiled"]

@@ -16,10 +16,10 @@ grouped-heads attention) works on any model through transformers' own interfaces
 from __future__ import annotations
 
 from ..._upstream import transformers as hf_up
-from . import llama, mistral, qwen2, qwen3
+from . import llama, mistral, phi3, qwen2, qwen3
 from .family import Family
 
-FAMILIES: dict[str, Family] = {m.FAMILY.model_type: m.FAMILY for m in (llama, mistral, qwen2, qwen3)}
+FAMILIES: dict[str, Family] = {m.FAMILY.model_type: m.FAMILY for m in (llama, mistral, phi3, qwen2, qwen3)}
 
 
 def _checked(paths: tuple[str, ...]) -> bool:
@@ -38,6 +38,28 @@ def rope_forwards() -> tuple:
         for f in FAMILIES.values()
         if f.rope_attention and _checked(f.rope_attention)
     )
+
+
+def generation_inputs_reason(model, length: int) -> str | None:
+    """Why a model whose class overrides ``prepare_inputs_for_generation`` cannot take the loop for a
+    call of ``length`` tokens (None: its family's override is the source checked and, at that
+    length, computes what GenerationMixin's does)."""
+    cls = type(model)
+    family = FAMILIES.get(getattr(getattr(model, "config", None), "model_type", None))
+    own = f"{cls.__name__} prepares its own generation inputs"
+    path = family.generation_inputs if family is not None else None
+    if path is None or hf_up.upstream_function(path) is not cls.prepare_inputs_for_generation:
+        return own
+    why = hf_up.unchecked_reason(path)
+    if why is not None:
+        return f"{own}, and {why}"
+    limit = getattr(model.config, family.inputs_limit, None) if family.inputs_limit else None
+    if isinstance(limit, int) and length > limit:
+        return (
+            f"{own}: it drops the cache once a sequence passes {family.inputs_limit} ({limit}), "
+            f"and this call reaches {length} tokens"
+        )
+    return None
 
 
 def fallbacks(model) -> tuple[str, ...]:

@@ -12,3 +12,7 @@ class Family:
     model_type: str
     mlp: tuple[str, ...] = ()  # MLP forwards computed as down(silu(gate(x)) * up(x))
     rope_attention: tuple[str, ...] = ()  # attention forward + the rotary helpers it calls
+    # the family's own prepare_inputs_for_generation, read and found to be GenerationMixin's for
+    # calls up to ``config.<inputs_limit>`` tokens (None: no limit)
+    generation_inputs: str | None = None
+    inputs_limit: str | None = None
