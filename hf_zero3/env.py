@@ -136,21 +136,47 @@ def _config(source: str):
     return AutoConfig.from_pretrained(source)
 
 
+def _token_ids_problem(config) -> str | None:
+    """A special token id of ``config`` outside its vocabulary (None: none)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    vocab = getattr(text, "vocab_size", None)
+    if not isinstance(vocab, int):
+        return None
+    for field in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = getattr(text, field, None)
+        ids = value if isinstance(value, (list, tuple)) else [value]
+        bad = [i for i in ids if isinstance(i, int) and not 0 <= i < vocab]
+        if bad:
+            return (
+                f"its {field} {value} lies outside the vocabulary (vocab_size {vocab}): "
+                f"set {field} to an id below {vocab}, or vocab_size above {max(bad)}"
+            )
+    return None
+
+
 def model_rows(source: str) -> list[Row]:
-    """Which decode parts a model of ``source``'s config would get, built on the meta device."""
+    """Which decode parts a model of ``source``'s config would get, built on the meta device.
+    Raises ``ValueError`` (one line) for a config no model can be built from."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from .decode import families, fused_qkv, gqa_attention, mlp_kernels
 
     config = _config(source)
+    problem = _token_ids_problem(config)
+    if problem is not None:
+        raise ValueError(f"{source}: {problem}")
     # the decode path's kernels take half-precision weights: the config's, else bf16 (a float32
     # model decodes through the model's own MLP)
     dtype = getattr(config, "dtype", None)
     dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
     dtype = dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except (ValueError, TypeError, KeyError, AssertionError, RuntimeError) as exc:
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ValueError(f"{source}: transformers builds no causal LM from it ({type(exc).__name__}: {first})") from exc
     family = families.FAMILIES.get(config.model_type)
     rows = [
         Row("model", f"{type(model).__name__} ({config.model_type}, {str(dtype).replace('torch.', '')})", OK),
@@ -182,8 +208,49 @@ def model_rows(source: str) -> list[Row]:
     mlps = [n for n, m in model.named_modules() if mlp_kernels.applies(m)]
     rows.append(Row("MLP kernels", f"{len(mlps)} MLP modules", OK if mlps else WARN))
     rows.append(Row("fused q/k/v", f"{len(fused_qkv.plan(model))} attention modules", OK))
+    rows += _family_rows(model)
     for why in families.fallbacks(model):
         rows.append(Row("fallback", "model's own code", WARN, why))
+    return rows
+
+
+def _family_rows(model) -> list[Row]:
+    """The rows of what a family beyond dense attention needs from the static loop: its own
+    generation inputs, sliding windows (rings), experts, linear-attention states."""
+    from transformers import GenerationMixin
+    from transformers.cache_utils import StaticCache
+
+    from .decode import families, ring_cache
+
+    rows = []
+    config = model.config
+    length = getattr(config, "max_position_embeddings", None) or 4096
+    if type(model).prepare_inputs_for_generation is not GenerationMixin.prepare_inputs_for_generation:
+        why = families.generation_inputs_reason(model, 1)
+        family = families.FAMILIES.get(config.model_type)
+        limit = getattr(config, family.inputs_limit, None) if why is None and family.inputs_limit else None
+        value = f"{type(model).__name__}'s, checked" if why is None else f"{type(model).__name__}'s"
+        note = f"the static loop for calls up to {family.inputs_limit} ({limit}) tokens" if limit else why or ""
+        rows.append(Row("generation inputs", value, OK if why is None else WARN, note))
+    cache = StaticCache(config=config, max_cache_len=length)
+    windows = hf_up.sliding_layer_lengths(cache)
+    if windows:
+        why = ring_cache.why_not(model, cache)
+        rows.append(
+            Row(
+                "sliding windows",
+                f"{len(windows)} layers of {windows[0]} tokens",
+                OK if why is None else WARN,
+                "rings where a call passes the window" if why is None else f"transformers' loop past the window: {why}",
+            )
+        )
+    experts = hf_up.experts_implementation(model)
+    if experts is not None:
+        rows.append(Row("experts", experts, OK, "transformers' experts implementation, in the compiled step"))
+    linear = hf_up.linear_attention_layer_class()
+    count = sum(type(layer) is linear for layer in cache.layers) if linear else 0
+    if count:
+        rows.append(Row("linear attention", f"{count} layers", OK, "their states updated in place by the steps"))
     return rows
 
 
@@ -220,7 +287,11 @@ def main(argv: list[str] | None = None) -> int:
     env.add_argument("--model", help="a model directory or config.json: which decode parts it would get")
     env.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
-    data = report(args.model)
+    try:
+        data = report(args.model)
+    except (ValueError, OSError) as exc:  # a config or path problem: one line, no traceback
+        print(f"hf_zero3 env: {exc}", file=sys.stderr)
+        return 2
     print(json.dumps(data, indent=2) if args.json else render(data), file=sys.stdout)
     return 0
 

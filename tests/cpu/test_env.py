@@ -133,3 +133,33 @@ def test_a_config_file_without_model_type_is_refused(tmp_path):
     path.write_text("{}")
     with pytest.raises(ValueError, match="no model_type"):
         env.model_rows(str(path))
+
+
+def test_model_rows_of_the_families_beyond_dense_attention(tmp_path):
+    """Each family the static loop now takes says what it needs: Phi-3's own generation inputs (up
+    to its limit), sliding windows as rings, the experts implementation, linear-attention states."""
+    from hf_zero3.testing import models
+
+    made = {}
+    for name in ("tiny_phi3_config", "tiny_gemma3_config", "tiny_qwen3_moe_config", "tiny_qwen3_5_config"):
+        getattr(models, name)().save_pretrained(tmp_path / name)
+        made[name] = _rows(env.model_rows(str(tmp_path / name)))
+    phi = made["tiny_phi3_config"]["generation inputs"]
+    assert phi.status == env.OK and "original_max_position_embeddings (4096)" in phi.note
+    window = made["tiny_gemma3_config"]["sliding windows"]
+    assert window.status == env.OK and window.value == "5 layers of 4 tokens" and "rings" in window.note
+    assert made["tiny_qwen3_moe_config"]["experts"].value in ("grouped_mm", "batched_mm", "eager")
+    assert made["tiny_qwen3_5_config"]["linear attention"].value == "3 layers"
+
+
+@pytest.mark.parametrize("field", ["pad_token_id", "eos_token_id"])
+def test_a_token_id_outside_the_vocabulary_is_one_clear_line(tmp_path, field):
+    from hf_zero3.testing import models
+
+    models.tiny_qwen2_config(**{field: 151643}).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=f"{field} 151643 lies outside the vocabulary \\(vocab_size 96\\)"):
+        env.model_rows(str(tmp_path))
+    script = Path(sys.executable).parent / "hf_zero3"
+    out = subprocess.run([str(script), "env", "--model", str(tmp_path)], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("hf_zero3 env: "), out.stderr  # after transformers' warning
