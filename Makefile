@@ -59,6 +59,7 @@ test-newest:
 # The declared floors (requirements/floor.txt): the contract tests, the version table, and one
 # Trainer, one lockstep and one TRL case.
 FLOOR_TESTS := tests/cpu/test_upstream_contracts.py tests/cpu/test_families.py tests/cpu/test_versions.py \
+	tests/cpu/test_family_loops.py tests/cpu/test_ring_cache.py \
 	tests/cpu/test_trainer_zero3safe.py::test_evaluate_matches_single_process_reference \
 	tests/cpu/test_lockstep_generation.py::test_tokens_match_unsharded_reference \
 	tests/cpu/test_trl.py::test_grpo_default_reuses_trl_gather

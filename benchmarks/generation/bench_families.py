@@ -22,9 +22,11 @@ Batch ``BENCH_BATCH`` (64) of 64-token prompts, ``BENCH_MAX_NEW`` new tokens (12
 EOS (every configuration runs the same forwards). Each configuration runs once to compile, then
 ``BENCH_REPS`` times (2); ``seconds`` is the median. ``agree``: the mean over rows of the share of
 new tokens equal to HF eager's before the first difference (bf16: argmax ties and rounding part
-them sooner or later). ``floor_s``: the weights a decode step reads, at ``BENCH_HBM_TBPS`` (4.3, an
-H200's), times the steps; for MoE only the experts a step's routing reaches (E(1 - (1 - k/E)^B) of
-E per layer for B tokens of top-k, uniform routing); ``fraction_of_floor`` is floor_s / seconds.
+them sooner or later). ``floor_s``: the weights a decode step reads, at ``BENCH_HBM_TBPS`` (default
+by the GPU's name: 3.35 for an H100, 4.3 for an H200 as in bench_decode), times the steps; for
+MoE only the experts a step's routing reaches (E(1 - (1 - k/E)^B) of E per layer for B tokens of
+top-k, uniform routing); KV-cache reads are not counted; ``fraction_of_floor`` is floor_s / seconds.
+A configuration that runs out of memory is a row with its ``error``.
 Run: python benchmarks/generation/bench_families.py   (GPU only)
 """
 
@@ -56,6 +58,15 @@ _unknown = sorted(set(_asked) - set(FAMILIES))
 if _unknown:
     raise SystemExit(f"BENCH_FAMILIES names unknown families {_unknown}; known: {', '.join(FAMILIES)}")
 CONFIGS = [c for c in os.environ.get("BENCH_CONFIGS", "hf_eager_gathered,hf_static_gathered,hf_zero3").split(",") if c]
+
+
+def _hbm_tbps(device) -> float:
+    """The bandwidth the floor counts at: ``BENCH_HBM_TBPS``, else by the GPU's name (TB/s)."""
+    import torch
+
+    if os.environ.get("BENCH_HBM_TBPS"):
+        return float(os.environ["BENCH_HBM_TBPS"])
+    return 3.35 if "H100" in torch.cuda.get_device_name(device) else 4.3
 
 
 def _expert_bytes(module) -> tuple[int, int, int, int]:
@@ -105,7 +116,7 @@ def rank_main(partial: str):
             before = module.config._experts_implementation if experts_impl else None
             if experts_impl:
                 module.set_experts_implementation(experts_impl)
-            times, stats, out = [], None, None
+            times, stats, out, error = [], None, None, None
             hf_zero3.release_decode_graphs(module)
             try:
                 for rep in range(1 + REPS):
@@ -123,9 +134,17 @@ def rank_main(partial: str):
                                 out = module.generate(**kw, **extra)
                     torch.cuda.synchronize()
                     times.append(time.perf_counter() - t)
+            except torch.OutOfMemoryError as exc:  # a row that cannot run at this size says so
+                error = f"out of memory: {str(exc).splitlines()[0][:160]}"
+                torch.cuda.empty_cache()
             finally:
                 if experts_impl:
                     module.set_experts_implementation(before)
+            if error is not None:
+                row = dict(family=family, config=name, batch=BATCH, new_tokens=new, error=error, seconds=float("nan"))
+                rows.append(row)
+                print("measured", row, flush=True)
+                continue
             gen = out[:, PROMPT:].cpu()
             if name == "hf_eager_gathered":
                 reference = gen
@@ -155,7 +174,7 @@ def rank_main(partial: str):
                 agree=agree,
                 step_bytes=step_bytes,
                 experts_hit_per_layer=hit,
-                floor_s=new * step_bytes / (float(os.environ.get("BENCH_HBM_TBPS", 4.3)) * 1e12),
+                floor_s=new * step_bytes / (_hbm_tbps(dev) * 1e12),
             )
             rows.append(row)
             print("measured", row, flush=True)
@@ -182,10 +201,12 @@ def main():
         0
     ]
     for r in rows:
+        if "error" in r:
+            continue
         r["fraction_of_floor"] = r["floor_s"] / r["seconds"]
         base = {x["config"]: x for x in rows if x["family"] == r["family"]}
         for b in ("hf_eager_gathered", "hf_static_gathered"):
-            if b in base:
+            if b in base and "error" not in base[b]:
                 r[f"vs_{b}"] = base[b]["seconds"] / r["seconds"]
     setup = dict(batch=BATCH, prompt=PROMPT, max_new_tokens=MAX_NEW, reps=REPS, families=_asked, dtype="bf16")
     path = record("families", rows, HERE, setup)

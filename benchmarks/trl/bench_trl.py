@@ -75,11 +75,21 @@ if set(_asked) - set(SETTINGS) or "trl_default" not in _asked:
     raise SystemExit(f"BENCH_TRL_SETTINGS takes names of {', '.join(SETTINGS)}, trl_default (the baseline) among them")
 
 
+# GRPO's model on CUDA: "qwen2" (Qwen2.5-0.5B's sizes) or "qwen3_moe" (Qwen3-30B-A3B's sizes, 128
+# experts top-8, BENCH_TRL_MOE_LAYERS layers, default 2: what one GPU trains with AdamW states)
+MODEL = os.environ.get("BENCH_TRL_MODEL", "qwen2")
+if MODEL not in ("qwen2", "qwen3_moe"):
+    raise SystemExit(f"BENCH_TRL_MODEL takes qwen2 or qwen3_moe, not {MODEL!r}")
+
+
 def _config(cuda: bool, vocab: int):
     from hf_zero3.testing import models
 
     if not cuda:
         return models.tiny_qwen2_config(vocab_size=vocab, max_position_embeddings=1024)
+    if MODEL == "qwen3_moe":
+        layers = int(os.environ.get("BENCH_TRL_MOE_LAYERS", 2))
+        return models.qwen3_moe_shape_config(vocab_size=vocab, num_hidden_layers=layers, max_position_embeddings=2048)
     # the rows' model: Qwen2.5-0.5B's sizes with RoPE base 10000 and 2048 positions
     return models.qwen2_0_5b_shape_config(vocab_size=vocab, max_position_embeddings=2048, rope_theta=10_000.0)
 
@@ -191,11 +201,10 @@ class _Timer:
 def grpo_rank(tmpdir: str):
     import torch
     import torch.distributed as dist
-    from transformers import Qwen2ForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
     import hf_zero3
-    from hf_zero3.testing import chat_prompts, length_reward, mark, tiny_tokenizer, trainer_zero3_config
+    from hf_zero3.testing import chat_prompts, length_reward, mark, models, tiny_tokenizer, trainer_zero3_config
 
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -231,9 +240,8 @@ def grpo_rank(tmpdir: str):
             seed=0,
         )
         torch.manual_seed(0)
-        model = Qwen2ForCausalLM._from_config(
-            _config(cuda, 151936 if cuda else len(tok)), dtype=torch.bfloat16 if cuda else torch.float32
-        )
+        cfg = _config(cuda, 151936 if cuda else len(tok))
+        model = models.model_class_for(cfg)._from_config(cfg, dtype=torch.bfloat16 if cuda else torch.float32)
         model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 2
         trainer = GRPOTrainer(
             model=model,
@@ -385,7 +393,9 @@ def main():
         world=world,
         backend=backend,
         max_new_tokens=MAX_NEW,
-        model="qwen2-0.5b-shape" if backend == "nccl" else "tiny-qwen2",
+        model=("qwen3-moe-shape" if MODEL == "qwen3_moe" else "qwen2-0.5b-shape")
+        if backend == "nccl"
+        else "tiny-qwen2",
         grpo_zero3=ZERO3,
     )
     rows = []
