@@ -247,10 +247,10 @@ def _family_rows(model) -> list[Row]:
     experts = hf_up.experts_implementation(model)
     if experts is not None:
         rows.append(Row("experts", experts, OK, "transformers' experts implementation, in the compiled step"))
-    linear = hf_up.linear_attention_layer_class()
-    count = sum(type(layer) is linear for layer in cache.layers) if linear else 0
+    count = hf_up.linear_attention_layers(cache)
     if count:
-        rows.append(Row("linear attention", f"{count} layers", OK, "their states updated in place by the steps"))
+        note = "their states updated in place by the steps; the prompt's forward eager"
+        rows.append(Row("linear attention", f"{count} layers", OK, note))
     return rows
 
 

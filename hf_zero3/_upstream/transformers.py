@@ -508,6 +508,12 @@ def linear_attention_layer_class():
     return getattr(cache_utils, "LinearAttentionLayer", None)
 
 
+def linear_attention_layers(cache) -> int:
+    """How many of ``cache``'s layers are linear-attention layers (:func:`linear_attention_layer_class`)."""
+    linear = linear_attention_layer_class()
+    return sum(type(layer) is linear for layer in getattr(cache, "layers", None) or ()) if linear else 0
+
+
 def layer_state_tensors(layer) -> list[tuple[str, "object"]]:
     """(name, tensor) of every tensor a cache layer holds, those a linear-attention layer keeps in
     its per-state dicts (``conv_states``, ``recurrent_states``) included."""

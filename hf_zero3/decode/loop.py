@@ -130,12 +130,11 @@ class _Loop:
         self.bind_cache()
 
     def report(self) -> features.DecodeReport:
-        linear = hf_up.linear_attention_layer_class()
         report = features.DecodeReport(
             fallbacks=families.fallbacks(self.model),
             experts=hf_up.experts_implementation(self.model),
             ring_layers=len(ring_cache.rings(self.cache)),
-            linear_attention_layers=sum(type(layer) is linear for layer in self.cache.layers) if linear else 0,
+            linear_attention_layers=hf_up.linear_attention_layers(self.cache),
         )
         for f in self.features:
             f.report(report, self.compiled)

@@ -59,6 +59,14 @@ def _prefill(
         **hf_up.cache_arguments(cache),
         **_forward_kwargs(model),
     )
+    if compile and model not in _PREFILL_FAILED and hf_up.linear_attention_layers(cache):
+        # measured (benchmarks/RESULTS.md, Model families): Dynamo unrolls the chunk loop of the
+        # gated delta rule's prompt form, and a Qwen3.5-shaped prompt forward had not compiled
+        # after minutes on an H100; the decode steps (one token: the recurrent form) compile in seconds
+        _PREFILL_FAILED[model] = (
+            "the prompt's forward runs eagerly for a cache with linear-attention layers "
+            "(compiling their chunked prompt form takes minutes)"
+        )
     if compile and layers is not None and model not in _PREFILL_FAILED:
         try:
             out = _layered_prefill(model, cache, kwargs, layers)

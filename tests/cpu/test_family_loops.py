@@ -74,6 +74,11 @@ def _family_rank(names):
             linear_attention_layers=r.linear_attention_layers,
             ended=[int((row[PROMPT:] == eos).any()) for row in reference],
         )
+        if name == "qwen3_5":  # the prompt forward asked compiled: eager for linear-attention layers, and why
+            with torch.no_grad():
+                again = hf_zero3.lockstep_generate(engine, gather="all", decode="compiled", **gen)
+            s = engine.module.hf_zero3_last_generate
+            out[name].update(again=again.tolist(), prefill=s.prefill, prefill_reason=s.prefill_reason)
     return out
 
 
@@ -111,5 +116,7 @@ def test_the_report_says_what_each_family_ran(family_results):
             assert r[name]["experts"] is not None, r[name]
         for name in ("gemma3", "gemma3_window_12", "mistral", "qwen2_hybrid", "gpt_oss"):
             assert r[name]["ring_layers"] > 0, r[name]  # the window slid, as a ring
-        assert r["qwen3_5"]["linear_attention_layers"] == 3, r["qwen3_5"]
+        q = r["qwen3_5"]
+        assert q["linear_attention_layers"] == 3 and q["again"] == q["reference"], q
+        assert q["prefill"] == "eager" and "linear-attention layers" in q["prefill_reason"], q
         assert r["phi3"]["experts"] is None and r["phi3"]["ring_layers"] == 0
