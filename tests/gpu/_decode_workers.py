@@ -175,6 +175,7 @@ def _call_report(st) -> dict:
         dependent_launches=r.dependent_launches,
         qkv_partials=r.qkv_partials,
         compiled_layers=r.compiled_layers,
+        ring_layers=r.ring_layers,
     )
 
 
@@ -192,12 +193,13 @@ def _teacher_forced(engine, seq, p: int, eos: int) -> dict:
     return dict(max_margin=margin.max().item(), max_abs_logit=pred.abs().max().item(), tokens=int(valid.sum()))
 
 
-def eager_step_graphs(new_tokens: int = 40, layers: bool = False, mistral: bool = False):
+def eager_step_graphs(new_tokens: int = 40, layers: bool = False, mistral: bool = False, window: int | None = None):
     """The static loop with ``compile_step=False``: the model's own forward (with hf_zero3's
     kernels) runs the decode steps, captured in CUDA graphs; against the same steps run one by one
     (``graph_steps=0``) and the eager forward over the sequence (teacher-forced). ``layers``: the
     same with ``compile_layers=True`` (each decoder layer through one compiled layer). ``mistral``:
-    the Llama's sizes as a Mistral with its default 4096-token sliding window."""
+    the Llama's sizes as a Mistral with its default 4096-token sliding window (``window``: that
+    window instead)."""
     import os
 
     import torch.distributed as dist
@@ -208,7 +210,7 @@ def eager_step_graphs(new_tokens: int = 40, layers: bool = False, mistral: bool 
     os.environ["HF_ZERO3_TRITON_ATTENTION"] = "always"  # the rope kernel too at this small batch
     os.environ.pop("HF_ZERO3_FUSE_ROPE", None)
     rank = dist.get_rank()
-    config = models.small_mistral_config() if mistral else None
+    config = models.small_mistral_config(**({"sliding_window": window} if window else {})) if mistral else None
     engine = build(deepcompile=False, compile_=False, torch_adam=True, config=config)
     engine.eval()
     module = engine.module
