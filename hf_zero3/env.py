@@ -195,12 +195,19 @@ def model_rows(source: str) -> list[Row]:
         Row("attention", str(hf_up.attention_implementation(model.config)), OK),
     ]
     gqa = gqa_attention.applies(model)
+    mha = gqa and gqa_attention.multi_head(model)
     rows.append(
         Row(
             "decode attention",
-            "hf_zero3 GQA attention" if gqa else "model's own",
+            ("hf_zero3 decode attention kernel" if mha else "hf_zero3 GQA attention") if gqa else "model's own",
             OK if gqa else WARN,
-            "Triton kernel on CUDA where it pays" if gqa else "not a GQA model of transformers' attention interface",
+            (
+                "Triton kernel on CUDA where it pays, else SDPA (one head per group)"
+                if mha
+                else "Triton kernel on CUDA where it pays"
+            )
+            if gqa
+            else "not an attention of transformers' interface the decode attention computes",
         )
     )
     rope = gqa_attention.rope_plan(model, gqa_attention.KERNEL)

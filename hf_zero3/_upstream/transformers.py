@@ -199,6 +199,8 @@ CHECKED_SOURCES = {
     "transformers.models.mistral.modeling_mistral.MistralMLP.forward": "4a9e0f851f1aaf4d",
     "transformers.models.qwen2.modeling_qwen2.Qwen2MLP.forward": "4a9e0f851f1aaf4d",
     "transformers.models.qwen3.modeling_qwen3.Qwen3MLP.forward": "4a9e0f851f1aaf4d",
+    # 5.23-5.25, 5.17 (annotated FloatTensor)
+    "transformers.models.phi3.modeling_phi3.Phi3MLP.forward": ("e5412905c5590476", "424174e77d92dbf7"),
     # 5.25 (the cache keyword ``cache``), 5.23 (also clears ``next_sequence_length``), 5.17
     "transformers.models.phi3.modeling_phi3.Phi3ForCausalLM.prepare_inputs_for_generation": (
         "0a2a1cc214e0740b",

@@ -16,6 +16,8 @@ attention runs as one kernel per layer (:mod:`hf_zero3.kernels.gqa_decode`: ``KE
 scores as flash attention keeps them, the unfilled tail of the cache not read); elsewhere, or with
 ``DecodeOptions(triton_attention="off")``, or where the kernel has fewer programs than the GPU has SMs
 (batch x key/value heads: it is slower there), as the PyTorch form above (``NAME``).
+A model with one query head per key/value head (Phi-3) takes the kernel only, which reads the
+cache's filled positions where SDPA reads the static cache's whole length (:func:`multi_head`).
 :func:`choice` picks one when a decode loop is built. Where it picks the kernel, Llama attention
 modules also move their rotary embedding and cache write into it (:func:`rope_plan`, below).
 """
@@ -66,21 +68,17 @@ def kernel_attention(
 ):
     """:func:`attention` as one Triton kernel where :func:`gqa_decode.supports` the shapes (the
     PyTorch form otherwise)."""
-    if (
-        dropout
-        or kwargs.get("softcap") is not None
-        or key.shape[1] == query.shape[1]
-        or not gqa_decode.supports(query, key, value, attention_mask)
-    ):
+    if dropout or kwargs.get("softcap") is not None or not gqa_decode.supports(query, key, value, attention_mask):
         return attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return gqa_decode.gqa_decode_attention(query, key, value, attention_mask, scale), None
 
 
 def applies(model) -> bool:
-    """A GQA model that looks its attention up by name, with SDPA or eager attention, one config,
-    and plain softmax attention: no logit soft-capping (Gemma 2/3) and no attention sinks
-    (gpt-oss), which transformers' own functions compute and this one does not."""
+    """A model that looks its attention up by name, with SDPA or eager attention, one config,
+    whole groups of query heads per key/value head (one each included: :func:`multi_head`), and
+    plain softmax attention: no logit soft-capping (Gemma 2/3) and no attention sinks (gpt-oss),
+    which transformers' own functions compute and this one does not."""
     cfg = getattr(model, "config", None)
     if cfg is None or not hf_up.supports_attention_backend(model) or getattr(cfg, "sub_configs", None):
         return False
@@ -93,15 +91,24 @@ def applies(model) -> bool:
         hf_up.attention_implementation(cfg) in _REPLACES
         and isinstance(heads, int)
         and isinstance(kv, int)
-        and kv < heads
+        and 0 < kv <= heads
+        and heads % kv == 0
     )
+
+
+def multi_head(model) -> bool:
+    """One query head per key/value head (Phi-3, GPT-2-style MHA): nothing to repeat, so the
+    PyTorch form has nothing over SDPA; the kernel still pays, reading only the cache's filled
+    positions where SDPA reads the static cache's whole length."""
+    cfg = model.config
+    return cfg.num_key_value_heads == cfg.num_attention_heads
 
 
 def choice(model, device, rows: int, kernel: str = "auto") -> str | None:
     """The decode attention a loop of ``rows`` on ``device`` uses: ``KERNEL`` (CUDA, Triton, and
     ``kernel`` is ``"always"``, or ``"auto"`` where it is the faster form: :func:`gqa_decode.pays`),
-    ``NAME``, or None (the model's own: :func:`applies` is False). ``kernel``:
-    :attr:`~hf_zero3.options.DecodeOptions.triton_attention`."""
+    ``NAME``, or None (the model's own: :func:`applies` is False, or a :func:`multi_head` model
+    where the kernel does not run). ``kernel``: :attr:`~hf_zero3.options.DecodeOptions.triton_attention`."""
     if not applies(model):
         return None
     if (
@@ -112,7 +119,7 @@ def choice(model, device, rows: int, kernel: str = "auto") -> str | None:
         and (kernel == "always" or gqa_decode.pays(rows, model.config.num_key_value_heads))
     ):
         return KERNEL  # built here, outside the compiled step's trace
-    return NAME
+    return None if multi_head(model) else NAME
 
 
 @contextlib.contextmanager

@@ -14,8 +14,9 @@ consumes them (the residual add and the next norm): no reduction kernel of its o
 cuBLAS's split-K down launches one.
 
 hf_zero3's static loop uses it for its decode steps only (at most 64 rows), on CUDA, for MLP
-modules that run a family's checked MLP forward (:mod:`.families`: Llama, Mistral, Qwen2, Qwen3)
-whose three projections are plain bias-free ``nn.Linear`` layers
+modules that run a family's checked MLP forward (:mod:`.families`: Llama, Mistral, Qwen2, Qwen3;
+Phi-3's fused ``gate_up_proj``, whose two row halves the kernel reads as gate and up) whose
+projections are plain bias-free ``nn.Linear`` layers
 with a SiLU activation, without hooks or patched forwards (a LoRA layer, a quantized linear keep
 the model's own MLP), and for the plain bias-free ``o_proj`` layers of attention modules. It reads
 the gathered weights in place: no copy. ``DecodeOptions(triton_mlp=False)`` turns all of it off,
@@ -49,22 +50,46 @@ def _plain_linear(m) -> bool:
     )
 
 
+def _fused(mlp: nn.Module) -> bool:
+    """``mlp`` runs a family's checked fused MLP forward (Phi-3's ``gate_up_proj``, then
+    ``up * act(gate)`` of its two halves, then ``down_proj``)."""
+    return type(mlp).forward in families.fused_mlp_forwards()
+
+
+def _halves(mlp: nn.Module) -> tuple:
+    """(gate weight, up weight, down, activation): a fused ``gate_up_proj``'s two row halves (views,
+    contiguous), taken where the forward runs, as ZeRO-3 gathers into the same Parameter."""
+    if _fused(mlp):
+        w = mlp.gate_up_proj.weight
+        n = w.shape[0] // 2
+        return w[:n], w[n:], mlp.down_proj, mlp.activation_fn
+    return mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj, mlp.act_fn
+
+
 def applies(mlp: nn.Module) -> bool:
-    """``mlp`` runs a family's checked MLP forward (:func:`.families.mlp_forwards`) with plain
-    projections and a SiLU activation."""
-    if type(mlp).forward not in families.mlp_forwards() or not torch_up.runs_class_forward(mlp):
+    """``mlp`` runs a family's checked MLP forward (:func:`.families.mlp_forwards`, or a fused one:
+    :func:`.families.fused_mlp_forwards`) with plain projections and a SiLU activation."""
+    if not torch_up.runs_class_forward(mlp):
         return False
-    gate, up, down = (getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj"))
-    if not all(_plain_linear(m) for m in (gate, up, down)):
+    if _fused(mlp):
+        names, act = ("gate_up_proj", "down_proj"), getattr(mlp, "activation_fn", None)
+    elif type(mlp).forward in families.mlp_forwards():
+        names, act = ("gate_proj", "up_proj", "down_proj"), getattr(mlp, "act_fn", None)
+    else:
         return False
-    act = getattr(mlp, "act_fn", None)
+    projs = [getattr(mlp, n, None) for n in names]
+    if not all(_plain_linear(m) for m in projs):
+        return False
     if not (isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLU", "SiLUActivation")):
         return False
-    ws = (gate.weight, up.weight, down.weight)
+    if len(projs) == 2 and projs[0].out_features % 2:
+        return False
+    gate, up, down, _ = _halves(mlp)
+    ws = (gate, up, down.weight)
     return (
         len({(w.dtype, w.device) for w in ws}) == 1
-        and gate.weight.shape == up.weight.shape
-        and down.in_features == gate.out_features
+        and gate.shape == up.shape
+        and down.in_features == gate.shape[0]
         and ws[0].dtype in (torch.float16, torch.bfloat16)
     )
 
@@ -117,15 +142,24 @@ def _ops(device, dependent: bool) -> tuple:
 def _forward(mlp: nn.Module, split: bool, dependent: bool = False):
     # the projections and the activation, not the MLP: the forward (kept per MLP in a weak
     # dictionary) must not hold its own key alive
-    gate, up, down, act = mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn
-    gate_up_silu, split_op = _ops(gate.weight.device, dependent)  # outside the trace, as the loop plans
+    *projs, act = _parts(mlp)  # (gate, up, down) or (gate_up, down)
+    down = projs[-1]
+    gate_up_silu, split_op = _ops(down.weight.device, dependent)  # outside the trace, as the loop plans
     slices = decode_gemm.split_for(down.in_features) if split else 1
 
     def forward(x):
         rows = x.reshape(-1, x.shape[-1])
-        if not _fits(rows, x, gate.weight):
-            return down(act(gate(x)) * up(x))  # the model's own computation (and autocast's casts)
-        h = gate_up_silu(rows, gate.weight, up.weight)
+        if len(projs) == 2:  # a fused gate_up_proj: its row halves, views of the weight as gathered now
+            w = projs[0].weight
+            gate, up = w[: w.shape[0] // 2], w[w.shape[0] // 2 :]
+        else:
+            gate, up = projs[0].weight, projs[1].weight
+        if not _fits(rows, x, gate):  # the model's own computation (and autocast's casts)
+            if len(projs) == 2:
+                g, u = projs[0](x).chunk(2, dim=-1)
+                return down(u * act(g))
+            return down(act(projs[0](x)) * projs[1](x))
+        h = gate_up_silu(rows, gate, up)
         out = _split(split_op, h, down.weight, slices) if slices > 1 else down(h)
         return out.view(*x.shape[:-1], down.out_features)
 
@@ -147,11 +181,17 @@ def _split_forward(linear: nn.Linear, dependent: bool = False):
     return forward
 
 
+def _part_names(m: nn.Module) -> tuple[str, ...]:
+    if _fused(m):
+        return ("gate_up_proj", "down_proj", "activation_fn")
+    return ("gate_proj", "up_proj", "down_proj", "act_fn")
+
+
 def _parts(m: nn.Module) -> tuple:
     """What a kept forward of ``m`` closes over (a new one is made when any of it was replaced)."""
     if isinstance(m, nn.Linear):
         return (m.weight,)
-    return (m.gate_proj, m.up_proj, m.down_proj, m.act_fn)
+    return tuple(getattr(m, n) for n in _part_names(m))
 
 
 def bind(model: nn.Module, names: tuple[str, ...]) -> list[nn.Module]:

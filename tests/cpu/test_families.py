@@ -21,7 +21,9 @@ def test_the_installed_transformers_is_the_checked_source():
     the decode path's kernels, then record its fingerprint in _upstream.transformers.CHECKED_SOURCES."""
     for path in hf_up.CHECKED_SOURCES:
         assert hf_up.unchecked_reason(path) is None, hf_up.unchecked_reason(path)
-    assert all(p in hf_up.CHECKED_SOURCES for f in families.FAMILIES.values() for p in f.mlp + f.rope_attention)
+    assert all(
+        p in hf_up.CHECKED_SOURCES for f in families.FAMILIES.values() for p in f.mlp + f.fused_mlp + f.rope_attention
+    )
 
 
 def test_the_fingerprint_ignores_comments_docstrings_and_layout_but_not_the_math():

@@ -56,14 +56,18 @@ def test_other_shapes_are_transformers_sdpa(attn):
     )
 
 
-def test_applies_only_to_gqa_models_and_use_restores_the_config(attn):
+def test_applies_to_grouped_and_multi_head_models_and_use_restores_the_config(attn):
     from hf_zero3.decode import gqa_attention
     from hf_zero3.testing import models
 
     model, _ = attn
     assert gqa_attention.applies(model)
     mha = models.plain_model(models.tiny_llama_config(num_key_value_heads=4))
-    assert not gqa_attention.applies(mha)
+    assert gqa_attention.applies(mha) and gqa_attention.multi_head(mha)
+    # one head per group: the kernel or the model's own attention, never the PyTorch form (SDPA's twin)
+    assert gqa_attention.choice(mha, "cpu", 64, "auto") in (None, gqa_attention.KERNEL)
+    assert gqa_attention.choice(mha, "cpu", 64, "off") is None
+    assert gqa_attention.choice(model, "cpu", 64, "off") == gqa_attention.NAME
     model.config.attn_logit_softcapping = 30.0  # soft-capped logits (Gemma 2/3): the model's own attention
     try:
         assert not gqa_attention.applies(model)

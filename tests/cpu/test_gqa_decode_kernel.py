@@ -88,16 +88,19 @@ def test_unsupported_shapes_and_the_switch(monkeypatch):
     assert not gqa_decode.supports(q, k, v, keep)  # CPU tensors, a kernel built for the GPU
 
 
-def test_a_llama_decode_step_through_the_kernel_matches_its_own_attention():
-    """A real Llama (GQA, sdpa) with transformers' StaticCache: the decode step's logits through
-    the kernel, registered as transformers attention (with the mask transformers builds for
-    that cache: left padding, unfilled positions), equal the model's own."""
+@pytest.mark.parametrize("family", ["llama", "phi3"])
+def test_a_decode_step_through_the_kernel_matches_its_own_attention(family):
+    """A real Llama (GQA) or Phi-3 (one query head per key/value head, as Phi-3-mini) with
+    transformers' StaticCache: the decode step's logits through the kernel, registered as
+    transformers attention (with the mask transformers builds for that cache: left padding,
+    unfilled positions), equal the model's own."""
     from transformers import StaticCache
 
     from hf_zero3.decode import gqa_attention
     from hf_zero3.testing import models
 
-    model = models.plain_model(models.tiny_llama_config())
+    config = models.tiny_llama_config() if family == "llama" else models.tiny_phi3_config(num_key_value_heads=4)
+    model = models.plain_model(config)
     assert gqa_attention.applies(model)
     ids = torch.tensor([[0, 0, 5, 6, 7, 8], [3, 4, 5, 6, 7, 9]])
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
@@ -133,7 +136,7 @@ def test_the_kernel_is_chosen_where_it_has_a_program_per_sm(monkeypatch):
     for kernel in ("auto", "always", "off"):  # the kernel is for CUDA
         assert gqa_attention.choice(model, "cpu", 64, kernel) == gqa_attention.NAME
     mha = models.plain_model(models.tiny_llama_config(num_key_value_heads=4))
-    assert gqa_attention.choice(mha, "cpu", 64) is None  # not grouped: the model's own attention
+    assert gqa_attention.choice(mha, "cpu", 64) is None  # one head per group, no kernel: the model's own
 
 
 def test_masks_and_dtypes_it_does_not_take():

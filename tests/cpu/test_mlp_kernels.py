@@ -3,6 +3,7 @@ hf_zero3.kernels.decode_gemm), run by Triton's interpreter on CPU in float32 (it
 is not exact; bf16 runs in the GPU benchmark): the kernels against F.linear, the patched forward
 against a real Llama MLP, and which modules it takes."""
 
+import copy
 import os
 
 import pytest
@@ -58,15 +59,19 @@ def test_split_for_takes_four_slices_from_2048():
     assert [split_for(k) for k in (64, 1024, 1088, 2048, 8192, 14336, 3000, 1000)] == [1, 2, 1, 4, 4, 4, 1, 1]
 
 
+@pytest.mark.parametrize("family", ["llama", "phi3"])
 @pytest.mark.parametrize("split", [False, True])
-def test_a_llama_mlp_through_the_kernels_equals_its_own_forward(split):
+def test_an_mlp_through_the_kernels_equals_its_own_forward(split, family):
+    """Llama's gate/up/down MLP, and Phi-3's fused gate_up_proj (the kernel reads its row halves)."""
     from hf_zero3.decode import mlp_kernels
     from hf_zero3.kernels import decode_gemm
     from hf_zero3.testing import models
 
     # intermediate 1024: down's reduction splits in two with split-K on
-    model = models.plain_model(models.tiny_llama_config(intermediate_size=1024))
+    model = models.plain_model(getattr(models, f"tiny_{family}_config")(intermediate_size=1024))
     mlp = model.model.layers[0].mlp
+    # the loop takes half-precision MLPs (float32 keeps its own); the forward computes any dtype
+    assert mlp_kernels.applies(copy.deepcopy(mlp).to(torch.bfloat16)) and not mlp_kernels.applies(mlp)
     assert decode_gemm.split_for(mlp.down_proj.in_features) == 2
     x = torch.randn(5, 1, model.config.hidden_size)
     with torch.no_grad():

@@ -11,6 +11,8 @@ class Family:
 
     model_type: str
     mlp: tuple[str, ...] = ()  # MLP forwards computed as down(silu(gate(x)) * up(x))
+    # MLP forwards computed as down(up * silu(gate)), (gate, up) the two halves of gate_up_proj(x)
+    fused_mlp: tuple[str, ...] = ()
     rope_attention: tuple[str, ...] = ()  # attention forward + the rotary helpers it calls
     # the family's own prepare_inputs_for_generation, read and found to be GenerationMixin's for
     # calls up to ``config.<inputs_limit>`` tokens (None: no limit)
