@@ -25,7 +25,9 @@ new tokens equal to HF eager's before the first difference (bf16: argmax ties an
 them sooner or later). ``floor_s``: the weights a decode step reads, at ``BENCH_HBM_TBPS`` (default
 by the GPU's name: 3.35 for an H100, 4.3 for an H200 as in bench_decode), times the steps; for
 MoE only the experts a step's routing reaches (E(1 - (1 - k/E)^B) of E per layer for B tokens of
-top-k, uniform routing); KV-cache reads are not counted; ``fraction_of_floor`` is floor_s / seconds.
+top-k, uniform routing); ``fraction_of_floor`` is floor_s / seconds. ``floor_kv_s`` adds the KV
+cache a step reads on average (each attention layer's filled positions, a sliding layer's at most
+its window): at batch 64 without GQA (Phi-3) that is as much as half the weights.
 A configuration that runs out of memory is a row with its ``error``.
 Run: python benchmarks/generation/bench_families.py   (GPU only)
 """
@@ -82,6 +84,25 @@ def _expert_bytes(module) -> tuple[int, int, int, int]:
     per_layer = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or 0
     k = getattr(cfg, "num_experts_per_tok", 0) or 0
     return experts, other, per_layer, k
+
+
+def _kv_bytes(config, new: int) -> float:
+    """Bytes of KV cache a decode step reads on average over ``new`` steps after the prompt: every
+    attention layer's filled positions (a sliding layer's at most its window), keys and values in
+    bf16; linear-attention layers' states are counted as weights are not (small)."""
+    kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    heads = config.num_key_value_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    window = getattr(config, "sliding_window", None)
+    total = 0.0
+    for kind in kinds:
+        if kind not in ("full_attention", "sliding_attention"):
+            continue
+        lengths = [PROMPT + i + 1 for i in range(new)]
+        if kind == "sliding_attention" and window:
+            lengths = [min(n, window) for n in lengths]
+        total += 2 * heads * dim * 2 * BATCH * sum(lengths) / new
+    return total
 
 
 def rank_main(partial: str):
@@ -175,6 +196,10 @@ def rank_main(partial: str):
                 step_bytes=step_bytes,
                 experts_hit_per_layer=hit,
                 floor_s=new * step_bytes / (_hbm_tbps(dev) * 1e12),
+                floor_kv_s=new * (step_bytes + _kv_bytes(cfg, new)) / (_hbm_tbps(dev) * 1e12),
+                mlp_kernels=getattr(report, "mlp_kernels", None),
+                split_k=getattr(report, "split_k", None),
+                fused_projections=getattr(report, "fused_projections", None),
             )
             rows.append(row)
             print("measured", row, flush=True)
@@ -204,6 +229,7 @@ def main():
         if "error" in r:
             continue
         r["fraction_of_floor"] = r["floor_s"] / r["seconds"]
+        r["fraction_of_floor_kv"] = r["floor_kv_s"] / r["seconds"]
         base = {x["config"]: x for x in rows if x["family"] == r["family"]}
         for b in ("hf_eager_gathered", "hf_static_gathered"):
             if b in base and "error" not in base[b]:
@@ -222,6 +248,7 @@ def main():
                 "vs_hf_eager_gathered",
                 "vs_hf_static_gathered",
                 "fraction_of_floor",
+                "fraction_of_floor_kv",
                 "loop",
                 "step",
                 "agree",
