@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
+import traceback
 
 import torch
 
@@ -25,7 +27,8 @@ _RUN_ERRORS = (RuntimeError, TypeError, AssertionError)
 
 def _why(exc: BaseException) -> str:
     """One line: the error's first line, and Dynamo's own pointer to what it could not trace
-    (its ``Developer debug context``: the function, file or operator) when it gives one."""
+    (its ``Developer debug context``: the function, file or operator) when it gives one; for
+    another error (a CUDA-graph capture's), the innermost line that raised it outside torch."""
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     why = f"{type(exc).__name__}: {lines[0][:200] if lines else ''}"
     context = [ln for ln in lines[1:] if ln.startswith("Developer debug context:")]
@@ -38,6 +41,10 @@ def _why(exc: BaseException) -> str:
     )
     if frames:
         why += f" at {frames[-1][:200]}"  # the innermost traced line
+    elif exc.__traceback__ is not None:  # not Dynamo's: the innermost line outside torch itself
+        here = [f for f in traceback.extract_tb(exc.__traceback__) if f"{os.sep}torch{os.sep}" not in f.filename]
+        if here:
+            why += f" at {os.path.basename(here[-1].filename)}:{here[-1].lineno} in {here[-1].name}"
     return why
 
 

@@ -58,3 +58,19 @@ def test_compiled_tail_matches_the_eager_tail():
             int(torch.argmax(x[4])),
         ]
         assert eager["unfinished"].tolist() == [True, True, False, eos is None, True]
+
+
+def test_a_capture_error_says_where_it_was_raised():
+    """A CUDA-graph capture's error (no Dynamo frames in it) names the innermost line outside torch
+    that raised it: what a user reports when a model's decode step cannot be captured."""
+    from hf_zero3.decode import compiled
+
+    def host_copy():
+        raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture")
+
+    try:
+        host_copy()
+    except RuntimeError as exc:
+        why = compiled._why(exc)
+    assert why.startswith("RuntimeError: Cannot copy between CPU and CUDA tensors")
+    assert why.endswith("in host_copy") and "test_greedy_tail.py:" in why
