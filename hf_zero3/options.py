@@ -90,14 +90,14 @@ class DecodeOptions:
             DeepSpeed's per-linear autograd Function). Compiled, a call's prompt forward is faster
             at small models and a process's first call is much longer; in a GRPO step the training
             dwarfs the prompt forward, so there it costs first-step seconds for no rollout time
-            (benchmarks/RESULTS.md, First call and TRL rollouts).
+            (benchmarks/HISTORY.md, First call and TRL rollouts).
         compile_step: compile the decode step (``HF_ZERO3_COMPILE_STEP``; default on, off in the
             rollouts of a TRL trainer ``Zero3Safe`` adapted; off: the model's own forward runs the
             steps, with the kernels above, and CUDA graphs capture it as they capture the compiled
             step). Off, a process compiles nothing for its first call (nor the greedy tail), and
             each step launches more kernels, as the compiled step fuses the model's pointwise work:
             a call decodes slower, which a GRPO step, where the training dominates, hardly shows
-            (benchmarks/RESULTS.md, First call and TRL rollouts).
+            (benchmarks/RESULTS.md and HISTORY.md, First call and TRL rollouts).
         compile_layers: with ``compile_step`` (and ``compile_prefill``), compile one decoder layer's
             forward, which every layer runs, instead of the whole model's, for the decode step (and
             the prompt's forward, a layer graph of its own) (``HF_ZERO3_COMPILE_LAYERS``; default
@@ -106,7 +106,7 @@ class DecodeOptions:
             graphs for the steps, and the fusion across layer boundaries is given up. Taken for the checked
             families whose layers all have one type; elsewhere the step compiles whole
             (:mod:`hf_zero3.decode.layer_compile`). Off by default: a shorter first call for a
-            slower rollout (benchmarks/RESULTS.md, First call).
+            slower rollout (benchmarks/HISTORY.md, First call).
     """
 
     fuse_qkv: bool | None = _option("HF_ZERO3_FUSE_QKV", True, "q/k/v projections of a decode step as one GEMM")

@@ -179,7 +179,7 @@ def engine_forward_hooks_suspended(module: nn.Module):
 # ("This will persist unless manually reset"). Every ``nn.Linear`` call then pays
 # ``Function.apply`` and an ``inspect.signature`` binding, also under ``no_grad``: an eager prompt
 # forward, host-bound already, spends a large share of its host time there (see the ablations in
-# benchmarks/RESULTS.md). Under ``no_grad`` the Function has
+# benchmarks/HISTORY.md). Under ``no_grad`` the Function has
 # no backward to prepare: its own forward (``LinearFunctionForZeroStage3.forward``, the same
 # kernels) can be called directly.
 
@@ -373,7 +373,7 @@ def replace_pending_schedule(engine, schedule) -> bool:
 # deepspeed/compile/backend.py, DeepSpeed 0.19.8; no upstream issue found): every function compiled
 # before it compiles again at its next call. A rollout before the first training step (GRPO's first
 # step generates, then trains) compiled the static loop, which DeepCompile's step-0 launch then
-# discarded, so the second rollout compiled it again (benchmarks/RESULTS.md, TRL rollouts).
+# discarded, so the second rollout compiled it again (benchmarks/HISTORY.md, TRL rollouts).
 _LAUNCHED_EARLY = "_hf_zero3_passes_launched_early"
 
 

@@ -431,7 +431,7 @@ def static_cache_counters_on(cache, device) -> int:
     transformers 5.17-5.23, no upstream issue found; #45997 changed only its shape). Inside a
     compiled prompt forward each layer's move is a blocking host-to-device copy, so the host waits
     for the kernels queued before it, layer after layer: a large share of the prompt forward's host
-    time (see the ablations in benchmarks/RESULTS.md). Each layer not initialized yet gets a
+    time (see the ablations in benchmarks/HISTORY.md). Each layer not initialized yet gets a
     counter of the same value made on ``device`` (a fill, no copy, no host sync); its move is then
     a no-op. Returns how many were replaced."""
     import torch

@@ -126,7 +126,7 @@ def _compiled_once(fn):
     """``fn`` compiled into one graph, built once per process (:func:`_prompt_logits`,
     :func:`_greedy_tail`: their own code objects, so their own Dynamo caches). Inductor's default
     Python wrapper: a C++ wrapper for the prompt forward gave no gain and a slower first compile
-    (see the ablations in benchmarks/RESULTS.md)."""
+    (see the ablations in benchmarks/HISTORY.md)."""
     compiled = _ONCE.get(fn)
     if compiled is None:
         options = torch_up.inductor_options_without_alignment_asserts()

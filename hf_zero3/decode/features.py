@@ -74,7 +74,7 @@ def dependent_launches(device, mode: str = "auto") -> bool:
     before it finishes and waits for it only where it reads its output (the Triton GEMMs and the
     rope attention: :mod:`hf_zero3.kernels.decode_gemm`; inductor's kernels: its
     ``triton.enable_pdl``). A decode step is over a hundred short kernels, each with a ramp of its
-    own, so this pays most at large batches (see the ablations in benchmarks/RESULTS.md). Where the
+    own, so this pays most at large batches (see the ablations in benchmarks/HISTORY.md). Where the
     GPU or Triton cannot (:func:`~hf_zero3.kernels.decode_gemm.dependent_unavailable`: before Hopper,
     on CPU) the steps launch as usual; asked for explicitly (``mode="on"``), one log line says why."""
     if mode == "off":

@@ -3,7 +3,7 @@
 At decode shapes (a few to 64 rows) a GEMM over a small weight is bound by its launch and ramp,
 not by reading the weight: the small key and value weights are read far below the GPU's memory
 bandwidth, so the three projections as one GEMM over one concatenated weight take about the time
-of one of them (see the ablations in benchmarks/RESULTS.md). The gate/up pair is not fused this
+of one of them (see the ablations in benchmarks/HISTORY.md). The gate/up pair is not fused this
 way: one GEMM over both weights is slower than the two (same section; :mod:`.mlp_kernels` fuses it
 in a Triton kernel instead).
 

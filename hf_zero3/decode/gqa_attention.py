@@ -3,7 +3,7 @@
 Under ``torch.compile`` transformers' SDPA and eager attention repeat a GQA model's key/value heads
 to the number of query heads (``repeat_kv``) before attending: with a static cache every decode
 step writes and then reads ``num_key_value_groups`` copies of the whole cache, a large share of a
-compiled decode step's time (see the ablations in benchmarks/RESULTS.md).
+compiled decode step's time (see the ablations in benchmarks/HISTORY.md).
 This function is transformers' eager attention (matmul, float32 softmax, matmul) with the query
 heads grouped under their key/value head instead, so the cache is read once and nothing is
 copied. Its numerics are eager's (scores in the model's dtype, softmax in float32), also for
@@ -142,7 +142,7 @@ def use(model, name: str | None = NAME):
 # Where the Triton kernel attends, a decode step of a Llama attention module is otherwise four more
 # small kernels per layer under torch.compile (the query's rotary embedding with the mask, the
 # key's with its cache write, the value's cache write, the cache's fill-count add), each paying its
-# own launch gap for a few microseconds of work (see the ablations in benchmarks/RESULTS.md). Here the
+# own launch gap for a few microseconds of work (see the ablations in benchmarks/HISTORY.md). Here the
 # module's decode forward runs its q/k/v projections and then one kernel
 # (:func:`gqa_decode.rope_decode_attention`) that rotates the query and the new key, writes the key
 # and the value at the cache's fill count and attends; the loop advances every such layer's fill
@@ -225,7 +225,7 @@ def rope_plan(model, attention: str | None) -> tuple[str, ...]:
     in one kernel: where the loop attends with the kernel (``attention`` is :data:`KERNEL`). A
     decode step then runs four kernels fewer per layer (the rotary embedding, the cache writes and
     the fill-count add move into the attention kernel; see the ablations in
-    benchmarks/RESULTS.md). It pays only because the kernel's inputs are read in place: the loop's
+    benchmarks/HISTORY.md). It pays only because the kernel's inputs are read in place: the loop's
     padding mask, one cos/sin buffer a step and the fused q/k/v projection's parts; had inductor
     built the mask, cos and sin and the projection's copies in front of it (six kernels a layer),
     the saving would be lost."""

@@ -3,7 +3,7 @@
 
 Compiling the whole model's forward makes Dynamo trace every decoder layer and inductor compile
 each one's kernels, though the layers run the same code over weights of the same shapes: a
-process's first call spends seconds per layer, warm caches included (benchmarks/RESULTS.md, First
+process's first call spends seconds per layer, warm caches included (benchmarks/HISTORY.md, First
 call). Here the model's own forward runs the step and each decoder layer's forward goes through one
 compiled function, traced and compiled once and run by every layer: a layer's parameters and its
 part of the cache are that graph's inputs, not its constants. CUDA graphs capture the step as they

@@ -6,7 +6,7 @@ SiLU-mul kernel, and the gate and up GEMMs read their weights well below the GPU
 bandwidth. Here the gate/up pair is one kernel that reads both weights' slices in one pass and
 writes the product (:mod:`hf_zero3.kernels.decode_gemm`, autotuned per shape on the GPU), faster
 than the two cuBLAS GEMMs (``benchmarks/generation/decode_gemm_probe.py``; see the kernel probes
-and the ablations in benchmarks/RESULTS.md). Down (e.g. 2048 output columns over an 8192
+and the ablations in benchmarks/HISTORY.md). Down (e.g. 2048 output columns over an 8192
 reduction) and ``o_proj`` (2048 over 2048) give a kernel with one program per output slice too
 few programs; split four ways along the reduction they beat cuBLAS (same probe), and
 their float32 partials' sum (with the cast to the model's dtype) folds into the kernel that

@@ -159,7 +159,7 @@ def rope_attention_kernel(
     # this layer's earlier steps, the count is advanced between steps), so they load while the
     # kernel before (the q/k/v projection) still runs; the new token's cache write then comes
     # last (a store before would order every cache load after it). Otherwise the order a plain
-    # launch runs faster with: write, then the loop from the first block (ablations: benchmarks/RESULTS.md)
+    # launch runs faster with: write, then the loop from the first block (ablations: benchmarks/HISTORY.md)
     pos = tl.load(P)  # the cache's fill count before this step: the new token's cache position
     if EARLY:
         s0 = tl.arange(0, BLOCK)

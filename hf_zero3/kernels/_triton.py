@@ -65,7 +65,7 @@ def compile_before_timing(tuner) -> bool:
     """Make ``tuner`` (a ``triton.autotune`` kernel) compile all of a new shape's configurations at
     once before it times them, instead of one after another as each is timed. Triton's compiler
     releases the GIL, so threads compile the configurations side by side, and compiling is most of
-    what a new shape's first launch costs (benchmarks/RESULTS.md, First call). The timing, the
+    what a new shape's first launch costs (benchmarks/HISTORY.md, First call). The timing, the
     choice and the on-disk results are the autotuner's own. Where this Triton's autotuner has no
     ``prune_configs``/``_bench`` of the expected form it tunes as it did (False)."""
     prune, bench = getattr(tuner, "prune_configs", None), getattr(tuner, "_bench", None)

@@ -3,13 +3,13 @@ MLP's ``silu(x @ Wg.T) * (x @ Wu.T)`` in one kernel.
 
 At decode shapes a GEMM only streams its weight, and cuBLAS's kernels for them stay below the
 GPU's memory bandwidth, with a floor of a few microseconds per launch (see the kernel probes and
-the ablations in benchmarks/RESULTS.md). These kernels give every program a narrow slice of output
+the ablations in benchmarks/HISTORY.md). These kernels give every program a narrow slice of output
 columns (``BLOCK_N``) over all rows and the whole reduction (no split-K), and the gate/up pair
 reads both weights' slices in one pass and writes the product (no [rows x 2 x intermediate]
 intermediate, no separate SiLU kernel). A weight with few output columns and a long reduction
 (down: 2048 x 8192) gets too few programs that way, and cuBLAS's split-K is faster there. Compared
 with cuBLAS by ``benchmarks/generation/decode_gemm_probe.py`` (see the kernel probes and the
-ablations in benchmarks/RESULTS.md): the gate/up kernel beats cuBLAS + inductor's SiLU-mul, the
+ablations in benchmarks/HISTORY.md): the gate/up kernel beats cuBLAS + inductor's SiLU-mul, the
 plain GEMM does not and is not used; the decode step's MLP uses the gate/up kernel through
 :mod:`hf_zero3.decode.mlp_kernels`.
 
@@ -24,7 +24,7 @@ Tiles load without masks where every block a launch may take divides the weight'
 reduction (:func:`_even`, the kernels' ``EVEN``): compiled for sm_90, a mask on a weight tile's rows
 can take every register and spill at 64 rows, and the unmasked split-K GEMMs are faster
 (``benchmarks/generation/decode_gemm_probe.py`` with ``PROBE_MASKED=1``; see the ablations in
-benchmarks/RESULTS.md).
+benchmarks/HISTORY.md).
 
 Loaded lazily; :func:`is_available` as in :mod:`.gqa_decode` (Triton, ``torch.library``).
 """

@@ -9,7 +9,7 @@ attention computes them), and skips the blocks its boolean mask has no position 
 tail of a static cache, left padding). Its programs do not split the cache, so it is used only
 where there are at least as many (row, key/value head) programs as the GPU has SMs: with fewer
 the GPU is underused and the PyTorch form is faster (``benchmarks/generation/bench_decode.py``;
-see the ablations in benchmarks/RESULTS.md): :func:`pays`.
+see the ablations in benchmarks/HISTORY.md): :func:`pays`.
 
 :func:`rope_decode_attention` is the same attention with the layer's rotary embedding and its cache
 write inside (the query and the new key rotated in registers, the key and value stored at the
@@ -257,7 +257,7 @@ def _one_wave(programs: int, device) -> dict:
     """A dependent launch's warps: 2 where the 4-warp programs (register-heavy: only two fit an SM)
     would take a second wave, as at batch 64 with 8 key/value heads (512 programs); otherwise 4.
     One wave keeps every program resident when the kernel before it finishes, which is what a
-    dependent launch gains from (see the ablations in benchmarks/RESULTS.md)."""
+    dependent launch gains from (see the ablations in benchmarks/HISTORY.md)."""
     sms = _state.get(("sms", str(device)))
     if sms is None:
         sms = _state[("sms", str(device))] = torch.cuda.get_device_properties(device).multi_processor_count

@@ -101,7 +101,7 @@ def accelerate_plugin(steps: int = 3):
 #: Per-process cap by world size: 16 GiB for 2 ranks, just above plain ZeRO-3's reserved peak
 #: there. One rank holds the whole partition, so its cap sits just above plain ZeRO-3's uncapped
 #: reserved peak, which OOMs in its optimizer step below it (see the memory plan's table in
-#: benchmarks/RESULTS.md).
+#: benchmarks/RESULTS.md and HISTORY.md).
 USER_CAP_GIB = {1: 30.0, 2: 16.0}
 
 
