@@ -194,22 +194,23 @@ def model_rows(source: str) -> list[Row]:
         ),
         Row("attention", str(hf_up.attention_implementation(model.config)), OK),
     ]
-    gqa = gqa_attention.applies(model)
-    mha = gqa and gqa_attention.multi_head(model)
-    rows.append(
-        Row(
+    if not gqa_attention.applies(model):
+        attention = Row(
             "decode attention",
-            ("hf_zero3 decode attention kernel" if mha else "hf_zero3 GQA attention") if gqa else "model's own",
-            OK if gqa else WARN,
-            (
-                "Triton kernel on CUDA where it pays, else SDPA (one head per group)"
-                if mha
-                else "Triton kernel on CUDA where it pays"
-            )
-            if gqa
-            else "not an attention of transformers' interface the decode attention computes",
+            "model's own",
+            WARN,
+            "not an attention of transformers' interface the decode attention computes",
         )
-    )
+    elif gqa_attention.multi_head(model):
+        attention = Row(
+            "decode attention",
+            "hf_zero3 decode attention kernel",
+            OK,
+            "Triton kernel on CUDA where it pays, else the model's own (one head per group)",
+        )
+    else:
+        attention = Row("decode attention", "hf_zero3 GQA attention", OK, "Triton kernel on CUDA where it pays")
+    rows.append(attention)
     rope = gqa_attention.rope_plan(model, gqa_attention.KERNEL)
     rows.append(Row("rope kernel", f"{len(rope)} attention modules", OK if rope else WARN))
     mlps = [n for n, m in model.named_modules() if mlp_kernels.applies(m)]

@@ -56,14 +56,15 @@ def _fused(mlp: nn.Module) -> bool:
     return type(mlp).forward in families.fused_mlp_forwards()
 
 
-def _halves(mlp: nn.Module) -> tuple:
-    """(gate weight, up weight, down, activation): a fused ``gate_up_proj``'s two row halves (views,
-    contiguous), taken where the forward runs, as ZeRO-3 gathers into the same Parameter."""
-    if _fused(mlp):
-        w = mlp.gate_up_proj.weight
+def _gate_up(projs) -> tuple:
+    """The gate and up weights of an MLP's projections, ``(gate, up, down)`` or ``(gate_up, down)``:
+    a fused ``gate_up_proj``'s two row halves are contiguous views, taken where the forward runs, as
+    ZeRO-3 gathers into the same Parameter."""
+    if len(projs) == 2:
+        w = projs[0].weight
         n = w.shape[0] // 2
-        return w[:n], w[n:], mlp.down_proj, mlp.activation_fn
-    return mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj, mlp.act_fn
+        return w[:n], w[n:]
+    return projs[0].weight, projs[1].weight
 
 
 def applies(mlp: nn.Module) -> bool:
@@ -84,7 +85,7 @@ def applies(mlp: nn.Module) -> bool:
         return False
     if len(projs) == 2 and projs[0].out_features % 2:
         return False
-    gate, up, down, _ = _halves(mlp)
+    (gate, up), down = _gate_up(projs), projs[-1]
     ws = (gate, up, down.weight)
     return (
         len({(w.dtype, w.device) for w in ws}) == 1
@@ -149,11 +150,7 @@ def _forward(mlp: nn.Module, split: bool, dependent: bool = False):
 
     def forward(x):
         rows = x.reshape(-1, x.shape[-1])
-        if len(projs) == 2:  # a fused gate_up_proj: its row halves, views of the weight as gathered now
-            w = projs[0].weight
-            gate, up = w[: w.shape[0] // 2], w[w.shape[0] // 2 :]
-        else:
-            gate, up = projs[0].weight, projs[1].weight
+        gate, up = _gate_up(projs)
         if not _fits(rows, x, gate):  # the model's own computation (and autocast's casts)
             if len(projs) == 2:
                 g, u = projs[0](x).chunk(2, dim=-1)
