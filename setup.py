@@ -2,7 +2,7 @@
 
     HF_ZERO3_BUILD_EXT=1 pip install --no-build-isolation .
 
-compiles csrc/gate.cpp into hf_zero3._gate against the installed (CUDA) torch. Without the
+compiles csrc/gate.cpp into hf_zero3.native_gate_ext against the installed (CUDA) torch. Without the
 variable nothing is compiled at install time; the gate is JIT-built from csrc/ on first use.
 """
 
@@ -30,7 +30,7 @@ if _switch("HF_ZERO3_BUILD_EXT"):
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
     ext_modules = [
-        CUDAExtension("hf_zero3._gate", ["csrc/gate.cpp"], extra_compile_args={"cxx": ["-O2", "-DHF_ZERO3_WITH_CUDA"]})
+        CUDAExtension("hf_zero3.native_gate_ext", ["csrc/gate.cpp"], extra_compile_args={"cxx": ["-O2", "-DHF_ZERO3_WITH_CUDA"]})
     ]
     cmdclass = {"build_ext": BuildExtension}
 

@@ -23,6 +23,11 @@ Subpackages with their own public API: :mod:`hf_zero3.trl`, :mod:`hf_zero3.accel
 user's own tests). What each exports is its ``__all__``; ``docs/reference/api.md`` documents it.
 """
 
+import importlib
+
+from ._upstream.patches import scope as _scope
+from ._upstream.patches import unpatch as _unpatch
+
 __version__ = "0.2.0"
 
 _LAZY = {
@@ -50,16 +55,12 @@ __all__ = sorted(_LAZY) + ["__version__", "unpatch", "patching"]
 
 def unpatch() -> list[str]:
     """Undo every patch of accelerate / DeepSpeed / TRL that hf_zero3 installed; returns their names."""
-    from ._upstream.patches import unpatch as _unpatch
-
     return _unpatch()
 
 
 def patching():
     """Context manager: patches hf_zero3 installs inside the block are undone when it exits."""
-    from ._upstream.patches import scope
-
-    return scope()
+    return _scope()
 
 
 _SUBMODULES = (
@@ -79,12 +80,8 @@ _SUBMODULES = (
 
 def __getattr__(name):
     if name in _SUBMODULES:
-        import importlib
-
         return importlib.import_module(f"hf_zero3.{name}")
     if name in _LAZY:
-        import importlib
-
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
         return value

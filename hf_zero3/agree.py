@@ -36,12 +36,15 @@ import json
 import os
 import threading
 import time
+import warnings
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 
+from ._upstream.torch import default_store, group_timeout
 from .errors import RankDivergenceError, RankFailure, builtin_base, rank_failure_type
 
 MAGIC = 0x687A33  # "hz3"
@@ -98,15 +101,11 @@ def _jsonable(v):
 
 
 def _dist():
-    import torch.distributed as dist
-
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
 def group_ranks(group) -> tuple[int, ...]:
     """Global ranks of ``group`` (None or WORLD: every rank)."""
-    import torch.distributed as dist
-
     if group is None or group is dist.group.WORLD:
         return tuple(range(dist.get_world_size()))
     return tuple(dist.get_process_group_ranks(group))
@@ -117,8 +116,6 @@ _GROUP_FACTS: dict[tuple, tuple] = {}  # (id(WORLD), id(group)) -> (group, ranks
 
 def _world_key() -> int:
     """Identifies the current default process group: caches die with a re-initialised world."""
-    import torch.distributed as dist
-
     return id(dist.group.WORLD)
 
 
@@ -145,8 +142,6 @@ def _timeout(group) -> datetime.timedelta:
         if not seconds > 0:
             raise ValueError(f"{TIMEOUT_ENV}={env!r} must be a positive number of seconds")
         return datetime.timedelta(seconds=seconds)
-    from ._upstream.torch import group_timeout
-
     return group_timeout(group) or datetime.timedelta(minutes=30)
 
 
@@ -168,8 +163,6 @@ def host_group(group=None):
                     list(ranks), backend="gloo", timeout=_timeout(group), use_local_synchronization=True
                 )
             except Exception as exc:  # a torch built without gloo: agree over the group itself
-                import warnings
-
                 warnings.warn(
                     f"hf_zero3: no gloo group for agreements ({exc}); agreeing over the group's own "
                     "backend, which waits for the GPU and shares the group's collective order",
@@ -300,8 +293,6 @@ def _position_key(ranks, rank) -> str:
 
 def _record_position(ranks, tag: Tag) -> None:
     try:
-        from ._upstream.torch import default_store
-
         dist = _dist()
         default_store().set(_position_key(ranks, dist.get_rank()), json.dumps({**tag.to_json(), "time": time.time()}))
     except Exception:  # diagnostics only: never fail an agreement over them
@@ -313,8 +304,6 @@ def _missing_message(tag: Tag, ranks, exc, waited: float) -> str:
     me = dist.get_rank()
     lines = []
     try:
-        from ._upstream.torch import default_store
-
         store = default_store()
         for r in ranks:
             if r == me:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ._upstream.torch import cuda_memory_fraction
+
 
 @dataclass(frozen=True)
 class MemoryState:
@@ -41,8 +43,6 @@ class MemoryState:
 
 def read_cuda_memory(device: int | torch.device | None = None) -> MemoryState:
     """``device``'s memory through ``torch.cuda`` (None: the current device)."""
-    from ._upstream.torch import cuda_memory_fraction
-
     if device is None:
         device = torch.cuda.current_device()
     if not isinstance(device, torch.device):

@@ -9,13 +9,29 @@ parts that model would get. The model is built on the meta device: no weights ar
 
 from __future__ import annotations
 
+import argparse
+import ast
+import copy
+import dataclasses
 import json
+import os
 import platform
 import sys
 from dataclasses import asdict, dataclass
 
+import torch
+from packaging.version import Version
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin
+from transformers.cache_utils import StaticCache
+
+from . import native_gate
+from ._upstream import deepspeed as ds_up
 from ._upstream import transformers as hf_up
 from ._upstream import versions
+from .decode import families, fused_qkv, gqa_attention, mlp_kernels, ring_cache, static_loop
+from .decode import plan as decode_plan
+from .gathering import GATHER_MODES
+from .kernels import gqa_decode, triton_launch
 
 PACKAGES = ("torch", "deepspeed", "transformers", "accelerate", "trl", "peft")
 OK, NO, WARN = "ok", "no", "warn"
@@ -31,7 +47,6 @@ class Row:
 
 def version_rows() -> list[Row]:
     """One row per library: its installed release against the floor and the tested releases."""
-    from packaging.version import Version
 
     rows = [Row("python", platform.python_version(), OK)]
     floors = {k: v for d in versions.MINIMUM.values() for k, v in d.items()}
@@ -63,12 +78,6 @@ def version_rows() -> list[Row]:
 
 def fast_path_rows() -> list[Row]:
     """Which parts of the fast path this install can run, and why not."""
-    import torch
-
-    from . import _ext
-    from ._upstream import deepspeed as ds_up
-    from .kernels import _triton, gqa_decode
-
     rows = []
     cuda = torch.cuda.is_available()
     rows.append(
@@ -79,7 +88,7 @@ def fast_path_rows() -> list[Row]:
             "" if cuda else "decode='auto' decodes eagerly on the CPU; DeepCompile and the Triton kernels need CUDA",
         )
     )
-    missing = _triton.missing()
+    missing = triton_launch.missing()
     rows.append(Row("Triton", versions.installed("triton") or "not installed", NO if missing else OK, missing or ""))
     rows.append(
         Row(
@@ -91,13 +100,13 @@ def fast_path_rows() -> list[Row]:
     )
     supported, why = ds_up.deepcompile_supported()
     rows.append(Row("DeepCompile", "supported" if supported else "not supported", OK if supported else NO, why))
-    native = _ext.is_available()
+    native = native_gate.is_available()
     rows.append(
         Row(
             "native prefetch gate",
             "built" if native else "PyTorch fallback",
             OK if native else WARN,
-            _ext.unavailable_reason() or "",
+            native_gate.unavailable_reason() or "",
         )
     )
     problems = hf_up.contract_problems()
@@ -122,9 +131,6 @@ def fast_path_rows() -> list[Row]:
 def _config(source: str):
     """A transformers config from a directory, a ``config.json`` file or a Hub-style name already
     in the local cache (no download: ``HF_HUB_OFFLINE`` is honoured by transformers)."""
-    import os
-
-    from transformers import AutoConfig
 
     if os.path.isfile(source):
         with open(source) as f:
@@ -154,13 +160,15 @@ def _token_ids_problem(config) -> str | None:
     return None
 
 
-def model_rows(source: str) -> list[Row]:
-    """Which decode parts a model of ``source``'s config would get, built on the meta device.
-    Raises ``ValueError`` (one line) for a config no model can be built from."""
-    import torch
-    from transformers import AutoModelForCausalLM
+#: The call ``hf_zero3 env --model`` plans for unless told otherwise (``--call key=value``): a
+#: rollout's shape, the whole model gathered, on CUDA.
+DEFAULT_CALL = {"decode": "auto", "gather": "all", "max_new_tokens": 128, "prompt_length": 64}
 
-    from .decode import families, fused_qkv, gqa_attention, mlp_kernels
+
+def model_rows(source: str, call: dict | None = None) -> list[Row]:
+    """Which decode parts a model of ``source``'s config would get, built on the meta device, and
+    the decode path a call would take (``call``: generation keywords over :data:`DEFAULT_CALL`).
+    Raises ``ValueError`` (one line) for a config no model can be built from."""
 
     config = _config(source)
     problem = _token_ids_problem(config)
@@ -219,16 +227,43 @@ def model_rows(source: str) -> list[Row]:
     rows += _family_rows(model)
     for why in families.fallbacks(model):
         rows.append(Row("fallback", "model's own code", WARN, why))
+    return rows + plan_rows(model, call)
+
+
+def plan_rows(model, call: dict | None = None) -> list[Row]:
+    """The decode step and loop :func:`hf_zero3.decode.plan.plan` gives a call of ``model`` (on
+    CUDA, lockstep's gathering ``gather``), with the reasons the call's warning and report give.
+    The logits processors and stopping criteria are the call's own (``generate()`` builds them):
+    here none beyond the step budget."""
+
+    call = {**DEFAULT_CALL, **(call or {})}
+    mode, gather, prompt = call.pop("decode"), call.pop("gather"), int(call.pop("prompt_length"))
+    if mode not in decode_plan.DECODE_MODES or gather not in (*GATHER_MODES, "held"):
+        raise ValueError(f"--call decode= takes {decode_plan.DECODE_MODES}, gather= {(*GATHER_MODES, 'held')}")
+    gather = "all" if gather == "auto" else gather  # where every rank has the memory for it
+    request = dataclasses.replace(decode_plan.DecodeRequest.of(model, mode, call), on_cuda=True)
+    generation_config = copy.deepcopy(model.generation_config)
+    generation_config.update(**{k: v for k, v in call.items() if hasattr(generation_config, k)})
+    length = prompt + int(request.max_new_tokens or 0)
+    decided = decode_plan.plan(model, request, gather=gather)
+    if decided.compiled:
+        cache = StaticCache(config=model.config, max_cache_len=length)
+        static_loop.ready_cache(model, cache, length, length)
+        kwargs = {"past_key_values": cache, "use_cache": True}
+        inputs = decode_plan.LoopInputs(generation_config, kwargs, length=length)
+        decided = decode_plan.plan(model, request, gather=gather, model_kwargs=kwargs, loop=inputs)
+    shown = ", ".join(f"{k}={v!r}" for k, v in {"decode": mode, "gather": gather, **call}.items())
+    rows = [Row("decode call", shown, OK, f"a {prompt}-token prompt, on CUDA")]
+    rows.append(Row("decode step", decided.step, OK if decided.compiled else WARN, decided.step_reason or ""))
+    if decided.loop is not None:
+        ok = decided.loop == "hf_zero3"
+        rows.append(Row("decode loop", decided.loop, OK if ok else WARN, decided.loop_reason or ""))
     return rows
 
 
 def _family_rows(model) -> list[Row]:
     """The rows of what a family beyond dense attention needs from the static loop: its own
     generation inputs, sliding windows (rings), experts, linear-attention states."""
-    from transformers import GenerationMixin
-    from transformers.cache_utils import StaticCache
-
-    from .decode import families, ring_cache
 
     rows = []
     config = model.config
@@ -262,11 +297,11 @@ def _family_rows(model) -> list[Row]:
     return rows
 
 
-def report(model: str | None = None) -> dict:
+def report(model: str | None = None, call: dict | None = None) -> dict:
     """Every part as ``{"versions": [...], "fast_path": [...], "model": [...]}`` of row dicts."""
     out = {"versions": version_rows(), "fast_path": fast_path_rows()}
     if model is not None:
-        out["model"] = model_rows(model)
+        out["model"] = model_rows(model, call)
     return {k: [asdict(r) for r in rows] for k, rows in out.items()}
 
 
@@ -285,18 +320,40 @@ def render(data: dict) -> str:
     return "\n".join(lines)
 
 
+def _call_keywords(items: list[str]) -> dict:
+    """``KEY=VALUE`` words as keywords, each value a Python literal where it reads as one
+    (``num_beams=2``, ``use_cache=False``), else the word itself (``gather=layer``)."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--call takes KEY=VALUE words, not {item!r}")
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = value
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``hf_zero3 env [--model CONFIG_OR_DIR] [--json]``."""
-    import argparse
+    """``hf_zero3 env [--model CONFIG_OR_DIR [--call KEY=VALUE ...]] [--json]``."""
 
     parser = argparse.ArgumentParser(prog="hf_zero3", description="hf_zero3's command line")
     sub = parser.add_subparsers(dest="command", required=True)
     env = sub.add_parser("env", help="installed versions, and which fast-path parts this install can run")
     env.add_argument("--model", help="a model directory or config.json: which decode parts it would get")
+    env.add_argument(
+        "--call",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="with --model, the generate() call to plan: generation keywords and decode, gather, prompt_length "
+        f"(default {' '.join(f'{k}={v}' for k, v in DEFAULT_CALL.items())})",
+    )
     env.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     try:
-        data = report(args.model)
+        data = report(args.model, _call_keywords(args.call))
     except (ValueError, OSError) as exc:  # a config or path problem: one line, no traceback
         print(f"hf_zero3 env: {exc}", file=sys.stderr)
         return 2

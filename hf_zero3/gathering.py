@@ -23,12 +23,15 @@ import contextlib
 from dataclasses import dataclass
 from typing import Iterator
 
+import psutil
 import torch
 import torch.nn as nn
 
 from . import runtime, zero3
 from ._upstream import deepspeed as ds_up
 from ._upstream import torch as torch_up
+from ._upstream.versions import require
+from .device_memory import read_cuda_memory
 from .runtime import runtime_of
 
 GATHER_MODES = ("auto", "all", "layerwise")
@@ -69,11 +72,7 @@ def free_bytes(device: torch.device) -> int:
     available system memory.
     """
     if device.type == "cuda":
-        from .device_memory import read_cuda_memory
-
         return read_cuda_memory(device).allocatable
-    import psutil
-
     return int(psutil.virtual_memory().available)
 
 
@@ -238,8 +237,6 @@ def eval_forward(model_or_engine, gather: str = "auto", group=None) -> Iterator[
     gathers the whole model once if every rank has the memory, else layer by layer; in the
     layer-wise case every rank must then run the same forwards. Harmless without ZeRO-3.
     """
-    from ._upstream.versions import require
-
     require("core")
     with gathered_forwards(model_or_engine, gather, group, op="eval_forward") as plan:
         yield plan

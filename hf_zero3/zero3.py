@@ -11,8 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
+from . import agree
 from ._upstream import deepspeed as ds_up
 
 is_zero3_param = ds_up.is_zero3_param
@@ -40,8 +42,6 @@ def gather_group(model: nn.Module):
     whose parameters use several groups (MoE experts) is refused: decisions must be agreed by one
     group that every rank of every gather belongs to.
     """
-    import torch.distributed as dist
-
     groups = {}
     for p in zero3_params(model):
         g = ds_up.param_group(p)
@@ -60,8 +60,6 @@ def gather_group(model: nn.Module):
 
 
 def group_world_size(group) -> int:
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size(group=group)
@@ -69,15 +67,11 @@ def group_world_size(group) -> int:
 
 def group_ranks(group) -> tuple[int, ...]:
     """Global ranks of ``group`` (None or WORLD: every rank)."""
-    from .agree import group_ranks as ranks
-
-    return ranks(group)
+    return agree.group_ranks(group)
 
 
 def gather_ranks(model: nn.Module) -> set[int]:
     """Every global rank any of the model's parameters is gathered over (the union of their groups)."""
-    import torch.distributed as dist
-
     groups = {id(g): g for g in (ds_up.param_group(p) or dist.group.WORLD for p in zero3_params(model))}
     return {r for g in groups.values() for r in group_ranks(g)}
 

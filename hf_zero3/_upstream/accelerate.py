@@ -12,6 +12,9 @@ import functools
 import inspect
 from typing import Any, Callable
 
+from accelerate import Accelerator
+from deepspeed.runtime.engine import DeepSpeedEngine
+
 CHECKED = "accelerate 1.15.0, 1.16.0, deepspeed 0.19.8"
 
 
@@ -23,8 +26,6 @@ def patch_deepspeed_compile_default_schedule(default_schedule: Callable[[Any], l
     ``schedule``, while DeepSpeed 0.19.8 has no config key for one. ``default_schedule(engine)``
     returns the schedule to use (None: DeepSpeed's default). Returns the undo function.
     """
-    from deepspeed.runtime.engine import DeepSpeedEngine
-
     original = DeepSpeedEngine.compile
     signature = inspect.signature(original)
 
@@ -55,8 +56,6 @@ def patch_accelerate_prepare_deepspeed(
     exports none of the YAML's ``dynamo_config``, so ``_prepare_deepspeed`` never calls
     ``engine.compile`` under ``accelerate launch``. Returns the undo function.
     """
-    from accelerate import Accelerator
-
     original = Accelerator._prepare_deepspeed
 
     @functools.wraps(original)

@@ -10,8 +10,19 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
+import deepspeed
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+from deepspeed.accelerator import get_accelerator
+from deepspeed.compile import backend as dc_backend
+from deepspeed.compile.passes.contract import CAP_Z3_GATHER_RELEASE, PassContract, validate_schedule
+from deepspeed.compile.profilers import graph_profile
+from deepspeed.compile.util import get_deepcompile_handle, is_deepcompile_supported
+from deepspeed.runtime.zero import linear as zero_linear
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+from .torch import hooks_suspended
 
 CHECKED = "deepspeed 0.19.8"
 
@@ -42,8 +53,6 @@ def param_id(p) -> int:
 
 def param_available(p) -> bool:
     """Gathered on this rank right now (by an engine hook, ``GatheredParameters`` or TRL)."""
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
     return p.ds_status == ZeroParamStatus.AVAILABLE
 
 
@@ -63,8 +72,6 @@ def partition_now(params: list) -> None:
 
 def gathered_parameters(params: list):
     """``deepspeed.zero.GatheredParameters`` for reading (no modifier rank: no broadcast on exit)."""
-    import deepspeed
-
     return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
 
@@ -168,8 +175,6 @@ def remove_engine_forward_hooks(engine) -> None:
 
 def engine_forward_hooks_suspended(module: nn.Module):
     """Inside: the engine's forward prologue/epilogue hooks on ``module`` do not run."""
-    from .torch import hooks_suspended
-
     return hooks_suspended(engine_forward_hooks(module))
 
 
@@ -185,11 +190,7 @@ def engine_forward_hooks_suspended(module: nn.Module):
 
 
 def _zero3_linear_function():
-    try:
-        from deepspeed.runtime.zero import linear
-    except ImportError:
-        return None, None
-    return getattr(linear, "zero3_linear_wrap", None), getattr(linear, "LinearFunctionForZeroStage3", None)
+    return getattr(zero_linear, "zero3_linear_wrap", None), getattr(zero_linear, "LinearFunctionForZeroStage3", None)
 
 
 @contextlib.contextmanager
@@ -197,8 +198,6 @@ def zero3_linear_without_autograd():
     """Inside, in a ``no_grad`` region: ``F.linear``, where DeepSpeed replaced it, runs DeepSpeed's
     linear forward without its autograd Function (the same result bit for bit; with grad enabled
     the Function as before). Nothing changes where ``F.linear`` is not DeepSpeed's."""
-    import torch.nn.functional as F
-
     wrap, function = _zero3_linear_function()
     if wrap is None or function is None or F.linear is not wrap:
         yield
@@ -296,10 +295,6 @@ def pending_optimizer_bytes(engine) -> int:
 
 def deepcompile_supported() -> tuple[bool, str]:
     """(supported, why not): DeepCompile needs a CUDA accelerator and torch >= 2.6."""
-    try:
-        from deepspeed.compile.util import is_deepcompile_supported
-    except ImportError as exc:
-        return False, f"this DeepSpeed has no DeepCompile ({exc}); pip install 'deepspeed>=0.19.8'"
     if not is_deepcompile_supported():
         return False, (
             "DeepCompile runs on CUDA only (DeepSpeed's accelerator here is "
@@ -311,8 +306,6 @@ def deepcompile_supported() -> tuple[bool, str]:
 
 def _accelerator_name() -> str:
     try:
-        from deepspeed.accelerator import get_accelerator
-
         return get_accelerator().device_name()
     except Exception:
         return "unknown"
@@ -320,22 +313,16 @@ def _accelerator_name() -> str:
 
 def deepcompile_handle():
     """DeepCompile's native module (``set_persistent`` lives there)."""
-    from deepspeed.compile.util import get_deepcompile_handle
-
     return get_deepcompile_handle()
 
 
 def register_compile_pass(name: str, fn, contract) -> None:
     """Put ``fn`` in DeepCompile's process-wide pass table under ``name``."""
-    from deepspeed.compile.backend import register_compile_pass as register
-
-    register(name, fn, contract)
+    dc_backend.register_compile_pass(name, fn, contract)
 
 
 def gather_release_contract(conflicts: frozenset):
     """A ``PassContract`` for a pass that reorders zero3_compile's all-gathers."""
-    from deepspeed.compile.passes.contract import CAP_Z3_GATHER_RELEASE, PassContract
-
     return PassContract(requires=frozenset({CAP_Z3_GATHER_RELEASE}), conflicts_with=conflicts)
 
 
@@ -350,15 +337,11 @@ def graph_param_ids(param_manager, graph_id) -> set[int]:
 def replace_pending_schedule(engine, schedule) -> bool:
     """Swap the pass schedule of an engine that was compiled but has not run a compiled step yet
     (accelerate calls ``engine.compile`` with no schedule). Returns False when it is too late."""
-    from deepspeed.compile import backend as dc_backend
-
     if not engine_is_compiled(engine) or engine_global_steps(engine) > 0:
         return False
     launched_early = _LAUNCHED_EARLY in vars(engine)
     if dc_backend.profiling_results or (getattr(dc_backend, "next_passes", None) and not launched_early):
         return False  # the first compiled forward already launched step 0's passes
-    from deepspeed.compile.passes.contract import validate_schedule
-
     validate_schedule(schedule, dc_backend.opt_passes)
     fns = [(step, [p if callable(p) else dc_backend.opt_passes[p] for p in passes]) for step, passes in schedule]
     dc_backend.init_schedule(fns)
@@ -380,8 +363,6 @@ _LAUNCHED_EARLY = "_hf_zero3_passes_launched_early"
 def passes_pending_at(step: int) -> bool:
     """DeepCompile's process-wide schedule still holds passes to launch at global step ``step``
     (``remaining_schedule``, a deque of ``(step, passes)``, its head the next to launch)."""
-    from deepspeed.compile import backend as dc_backend
-
     pending = getattr(dc_backend, "remaining_schedule", None)
     return bool(pending) and pending[0][0] == step
 
@@ -423,17 +404,13 @@ def dc_prefetch_op():
 
 def profile_meta_defaults() -> dict:
     """The per-node metadata keys (with defaults) DeepCompile's profiler expects on every node."""
-    from deepspeed.compile.profilers.graph_profile import _PROFILE_META_DEFAULTS
-
-    return dict(_PROFILE_META_DEFAULTS)
+    return dict(graph_profile._PROFILE_META_DEFAULTS)
 
 
 def profile_complete(prof, bwd: bool) -> bool:
-    from deepspeed.compile.profilers.graph_profile import is_profile_incomplete
-
     graph = prof.bwd_graph if bwd else prof.fwd_graph
     complete = prof.bwd_mem_complete if bwd else prof.fwd_mem_complete
-    return graph is not None and complete and not is_profile_incomplete(graph)
+    return graph is not None and complete and not graph_profile.is_profile_incomplete(graph)
 
 
 def profile_fields(prof, bwd: bool) -> tuple[Any, list, list, list]:
@@ -454,8 +431,6 @@ def patch_deepcompile_profile_in_allocator_units():
     on the card changes, a plan that fits can be refused as not fitting.
     hf_zero3 plans in the caching allocator's own units (see :mod:`hf_zero3.compile.budget`), so
     the profile adds 0. Module global, read by name inside that module; returns the undo."""
-    from deepspeed.compile.profilers import graph_profile
-
     original = graph_profile._get_mem_usage_out_of_torch
     graph_profile._get_mem_usage_out_of_torch = lambda: 0
 

@@ -6,6 +6,19 @@ import contextlib
 import os
 
 import torch
+import torch._dynamo
+import torch._inductor.config as inductor_config
+import torch.distributed as dist
+from torch._dynamo.utils import counters
+from torch._inductor import compile_fx
+from torch._inductor.cpu_vec_isa import pick_vec_isa
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.distributed import distributed_c10d
+
+try:
+    from torch._inductor.runtime.compile_tasks import _set_triton_ptxas_path
+except ImportError:  # a torch without it leaves Triton on its own ptxas throughout
+    _set_triton_ptxas_path = None
 
 CHECKED = "torch 2.11.0+cu130, 2.13.0+cpu"
 
@@ -28,8 +41,6 @@ def inductor_dependent_launch_options() -> dict:
     """Inductor options that generate its Triton kernels as programmatic dependent launches
     (``triton.enable_pdl``, torch >= 2.9: pytorch/pytorch#160928; off by default upstream,
     pytorch/pytorch#167687 was held back over regressions elsewhere); empty where this torch has none."""
-    import torch._inductor.config as inductor_config
-
     return {"triton.enable_pdl": True} if hasattr(inductor_config.triton, "enable_pdl") else {}
 
 
@@ -45,8 +56,6 @@ def inductor_options_without_alignment_asserts() -> dict:
     same forward under plain ZeRO-3. The checks assert what the caching allocator guarantees;
     without them the kernels are the same.
     """
-    import torch._inductor.config as inductor_config
-
     return {"alignment_asserts": False} if hasattr(inductor_config, "alignment_asserts") else {}
 
 
@@ -71,8 +80,6 @@ def forward_hook_counts(module: torch.nn.Module) -> tuple[int, int]:
 def dynamo_compile_errors() -> tuple[type, ...]:
     """What ``torch.compile(fullgraph=True)`` raises when a function does not compile into one graph
     (``torch._dynamo.exc``): Dynamo's errors, the recompile limit among them."""
-    import torch._dynamo
-
     return (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit)
 
 
@@ -93,11 +100,7 @@ def profiler_running() -> bool:
 # makes every process key its kernels alike.
 def pin_triton_ptxas() -> None:
     """Point Triton at the ptxas Inductor would choose, now, unless ``TRITON_PTXAS_PATH`` is set."""
-    if os.environ.get("TRITON_PTXAS_PATH") is not None:
-        return
-    try:
-        from torch._inductor.runtime.compile_tasks import _set_triton_ptxas_path
-    except ImportError:  # a torch without it leaves Triton on its own ptxas throughout
+    if os.environ.get("TRITON_PTXAS_PATH") is not None or _set_triton_ptxas_path is None:
         return
     _set_triton_ptxas_path()
 
@@ -140,15 +143,11 @@ def module_has(module: torch.nn.Module, name: str) -> bool:
 
 def default_store():
     """The c10d store every rank joined through (the agreement diagnostics write positions there)."""
-    from torch.distributed import distributed_c10d
-
     return distributed_c10d._get_default_store()
 
 
 def group_timeout(group):
     """A process group's collective timeout (a ``timedelta``), or None when it cannot be read."""
-    import torch.distributed as dist
-
     group = group if group is not None else dist.group.WORLD
     for device in ("cpu", "cuda"):
         try:
@@ -174,31 +173,23 @@ def mark_side_effectful(op) -> None:
 
 def real_tensors():
     """Leave Dynamo's fake-tensor mode for the block (a compile pass running real collectives)."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
     return unset_fake_temporarily()
 
 
 def dynamo_graph_count() -> int:
     """Graphs Dynamo has compiled in this process (its ``unique_graphs`` counter)."""
-    from torch._dynamo.utils import counters
-
     return int(counters["stats"]["unique_graphs"])
 
 
 def inductor_compile_module():
     """``torch._inductor.compile_fx``: torch.compile's inductor backend calls this module's
     ``compile_fx`` for each graph, looked up at each compile (the test launcher wraps it)."""
-    from torch._inductor import compile_fx
-
     return compile_fx
 
 
 def probe_cpu_vec_isa() -> None:
     """Inductor's probe of the CPU's vector ISA (test programs built and run once per process,
     then cached): a process that forks ranks answers it for all of them."""
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-
     pick_vec_isa()
 
 
@@ -227,8 +218,6 @@ def backward_hooks_suspended(model: torch.nn.Module):
 # test registered after the first compile never ran in the compiled steps.
 def hook_guards():
     """Inside: forwards compiled here guard on their modules' hooks (a changed hook set recompiles)."""
-    import torch._dynamo
-
     return torch._dynamo.config.patch(skip_nnmodule_hook_guards=False)
 
 

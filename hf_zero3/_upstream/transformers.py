@@ -10,10 +10,31 @@ overridden methods); the contract tests and ``hf_zero3 env`` call it.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
+import hashlib
+import importlib
 import inspect
+import textwrap
 
+import torch
+import transformers
+from transformers import (
+    AttentionInterface,
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    cache_utils,
+)
+from transformers.generation import utils as gen_utils
+from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
+from transformers.integrations import deepspeed as hf_ds
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .torch import hooks_suspended
 from .versions import NEWEST, newer_than_checked
 
 CHECKED = "transformers 5.17.0, 5.23.0, 5.25.0"
@@ -64,8 +85,6 @@ def cache_keyword() -> str | None:
     """The keyword this transformers passes the KV cache by (one of :data:`CACHE_KEYWORDS`; None: a
     release that renamed it again, which :func:`contract_problems` names and the fast decode path
     refuses with that reason)."""
-    from transformers.generation.utils import GenerationMixin
-
     params = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
     return next((k for k in CACHE_KEYWORDS if k in params), None)
 
@@ -105,11 +124,6 @@ def contract_problems() -> tuple[str, ...]:
     one message each naming the read and the release (empty: all present; read once per process).
     Checked by the contract tests on every CI release set; ``hf_zero3 env`` prints it; a problem
     makes lockstep decode with transformers' own loop and say so."""
-    import torch
-    import transformers
-    from transformers import cache_utils
-    from transformers.generation import utils as gen_utils
-
     release = f"transformers {transformers.__version__}"
     problems = []
     key = cache_keyword()
@@ -119,8 +133,6 @@ def contract_problems() -> tuple[str, ...]:
             "(the KV cache's keyword)"
         )
     else:
-        from transformers import LlamaForCausalLM
-
         if key not in inspect.signature(LlamaForCausalLM.forward).parameters:
             problems.append(f"{release}: model forwards do not take the KV cache as {key!r}")
         fields = getattr(gen_utils.GenerateDecoderOnlyOutput, "__dataclass_fields__", {})
@@ -227,8 +239,6 @@ CHECKED_SOURCES = {
 def upstream_function(path: str):
     """The function at dotted ``path`` (``module.Class.function`` or ``module.function``), or None
     where this transformers has none."""
-    import importlib
-
     parts = path.split(".")
     for i in range(len(parts) - 1, 0, -1):
         try:
@@ -246,8 +256,6 @@ def hub_wrapped_function(obj, name: str):
     ``use_kernel_forward_from_hub`` (on ``apply_rotary_pos_emb``) turns the decorated function into an
     ``nn.Module`` (``Func``) whose forward calls it unless the model was kernelized. The function it
     calls is the source that was checked; any other object is returned as it is."""
-    import torch
-
     if not isinstance(obj, torch.nn.Module):
         return obj
     for cell in getattr(type(obj).forward, "__closure__", None) or ():
@@ -260,11 +268,6 @@ def hub_wrapped_function(obj, name: str):
 def source_fingerprint(fn) -> str:
     """A hash of ``fn``'s code as the parser reads it: comments, formatting, its docstring, its
     decorators and its name left out, so that only a change of what it computes changes it."""
-    import ast
-    import hashlib
-    import inspect
-    import textwrap
-
     node = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
     body = node.body
     if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
@@ -308,38 +311,27 @@ def register_attention(name: str, attention) -> None:
     where a query may attend) as its mask function: a model of transformers' attention interface
     (``_supports_attention_backend``) looks both up by ``config._attn_implementation`` (hf_zero3's
     decode attention, hf_zero3.decode.gqa_attention)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
     AttentionInterface.register(name, attention)
     AttentionMaskInterface.register(name, sdpa_mask)
 
 
 def sdpa_attention():
     """transformers' SDPA attention function (the decode attention hands other shapes to it)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     return sdpa_attention_forward
 
 
 def generation_config_field(name: str) -> bool:
     """Whether this transformers' ``GenerationConfig`` has the field ``name`` (``max_cache_len``:
     5.2x, not 5.17)."""
-    from transformers import GenerationConfig
-
     return hasattr(GenerationConfig(), name)
 
 
 def generation_hooks_present() -> None:
     """Refuse to run, naming the fix, if a release removed a method lockstep generation needs."""
-    from transformers.generation.utils import GenerationMixin
-
     missing = [n for n in GENERATION_HOOKS if not hasattr(GenerationMixin, n)]
     if not any(hasattr(GenerationMixin, n) for n in ENCODER_HOOKS):
         missing.append(" or ".join(ENCODER_HOOKS))
     if missing:
-        import transformers
-
         raise RuntimeError(
             f"hf_zero3 lockstep generation needs GenerationMixin.{', '.join(missing)}, which "
             f"transformers {transformers.__version__} no longer has; install a tested release "
@@ -354,14 +346,10 @@ def input_length_arg(args: tuple, kwargs: dict) -> int:
 
 def hf_deepspeed_config_ref():
     """transformers' process-wide weak reference to the live ``HfDeepSpeedConfig`` (tests swap it)."""
-    from transformers.integrations import deepspeed as hf_ds
-
     return hf_ds._hf_deepspeed_config_weak_ref
 
 
 def set_hf_deepspeed_config_ref(ref) -> None:
-    from transformers.integrations import deepspeed as hf_ds
-
     hf_ds._hf_deepspeed_config_weak_ref = ref
 
 
@@ -393,10 +381,6 @@ def input_grad_hooks(model) -> list:
 # ``no_grad`` (generate()) the hook changes nothing: nothing downstream records a graph.
 def input_grad_hooks_suspended(model):
     """Inside (with gradients off only): ``model``'s input-require-grads hooks do not run."""
-    import torch
-
-    from .torch import hooks_suspended
-
     entries = []
     if not torch.is_grad_enabled():
         for handle in input_grad_hooks(model):
@@ -409,10 +393,6 @@ def input_grad_hooks_suspended(model):
 def replace_input_grad_hooks_on_enable():
     """Make ``PreTrainedModel.enable_input_require_grads`` remove the hooks its previous call on the
     same model registered before registering new ones; returns the undo."""
-    import functools
-
-    from transformers import PreTrainedModel
-
     original = PreTrainedModel.__dict__["enable_input_require_grads"]
 
     @functools.wraps(original)
@@ -434,8 +414,6 @@ def static_cache_counters_on(cache, device) -> int:
     time (see the ablations in benchmarks/HISTORY.md). Each layer not initialized yet gets a
     counter of the same value made on ``device`` (a fill, no copy, no host sync); its move is then
     a no-op. Returns how many were replaced."""
-    import torch
-
     moved = 0
     for layer in getattr(cache, "layers", None) or ():
         n = vars(layer).get("cumulative_length")
@@ -462,8 +440,6 @@ def sliding_layers_unslid(cache, length: int) -> int:
     the cache's longest layer: the model builds one mask for all its sliding layers from the
     first one's sizes (a hybrid model's included), and with every layer one ``StaticLayer`` of one
     length that mask fits them all. Returns how many were replaced."""
-    from transformers import cache_utils
-
     sliding = sliding_layer_class()
     layers = getattr(cache, "layers", None)
     if sliding is None or not isinstance(layers, list) or not layers:
@@ -488,16 +464,12 @@ def sliding_layer_lengths(cache) -> list[int]:
 
 def sliding_layer_class():
     """transformers' ``StaticSlidingWindowLayer`` (None in a release without it)."""
-    from transformers import cache_utils
-
     return getattr(cache_utils, "StaticSlidingWindowLayer", None)
 
 
 def causal_lm_class(config):
     """The causal-LM class ``AutoModelForCausalLM`` builds for ``config`` (its model mapping: the
     class itself, to import before ``deepspeed.zero.Init`` wraps ``__init__``)."""
-    from transformers import AutoModelForCausalLM
-
     return AutoModelForCausalLM._model_mapping[type(config)]
 
 
@@ -505,8 +477,6 @@ def linear_attention_layer_class():
     """transformers' ``LinearAttentionLayer`` (a linear-attention layer's conv and recurrent states,
     static tensors updated in place, as ``StaticCache`` builds it for Qwen3.5 / Qwen3-Next; None in a
     release without it)."""
-    from transformers import cache_utils
-
     return getattr(cache_utils, "LinearAttentionLayer", None)
 
 
@@ -519,8 +489,6 @@ def linear_attention_layers(cache) -> int:
 def layer_state_tensors(layer) -> list[tuple[str, "object"]]:
     """(name, tensor) of every tensor a cache layer holds, those a linear-attention layer keeps in
     its per-state dicts (``conv_states``, ``recurrent_states``) included."""
-    import torch
-
     found = []
     for k, v in sorted(vars(layer).items()):
         if isinstance(v, torch.Tensor):
@@ -560,6 +528,4 @@ def mask_mapping_accepted(model) -> bool:
 def decoder_only_output(sequences, cache):
     """What transformers' ``_sample`` returns under ``return_dict_in_generate`` when no per-step
     output was asked for: its output class with the sequences and the cache."""
-    from transformers.generation.utils import GenerateDecoderOnlyOutput
-
     return GenerateDecoderOnlyOutput(sequences=sequences, **cache_arguments(cache))

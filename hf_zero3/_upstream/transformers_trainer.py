@@ -4,7 +4,12 @@ engine and config, and the way back from an engine it freed. Checked against the
 
 from __future__ import annotations
 
+import copy
 import sys
+
+from transformers import Trainer
+
+from .deepspeed import is_engine, remove_engine_forward_hooks
 
 
 def trainer_calling_callback(max_depth: int = 8):
@@ -13,8 +18,6 @@ def trainer_calling_callback(max_depth: int = 8):
     ``Trainer.__init__`` ends with ``self.callback_handler.on_init_end(...)``; walking up from the
     callback finds that frame's ``self``. None when called from anywhere else.
     """
-    from transformers import Trainer
-
     frame = sys._getframe(1)
     for _ in range(max_depth):
         frame = frame.f_back
@@ -28,8 +31,6 @@ def trainer_calling_callback(max_depth: int = 8):
 
 def trainer_engine(trainer):
     """The DeepSpeed engine a Trainer trains (``model_wrapped`` after ``accelerator.prepare``)."""
-    from .deepspeed import is_engine
-
     wrapped = getattr(trainer, "model_wrapped", None)
     return wrapped if wrapped is not None and is_engine(wrapped) else None
 
@@ -65,8 +66,6 @@ def pretrain_eval_config(trainer) -> dict | None:
 
 def trainer_deepspeed_config_copy(trainer) -> dict | None:
     """A deep copy of the DeepSpeed config ``trainer`` shares (None: no DeepSpeed)."""
-    import copy
-
     config = trainer_deepspeed_config(trainer)
     return copy.deepcopy(config) if config is not None else None
 
@@ -76,10 +75,6 @@ def forget_engine(trainer, config: dict) -> bool:
     restored in place to ``config`` (a copy taken before), the engine freed with its forward hooks,
     ``model_wrapped`` the model and no ``deepspeed``, so that ``train()`` builds its engine from the
     user's config. Returns whether an engine was freed."""
-    import copy
-
-    from .deepspeed import remove_engine_forward_hooks
-
     live = trainer_deepspeed_config(trainer)
     if live is not None and live != config:
         live.clear()

@@ -9,6 +9,10 @@ GRPO and ``DistillationTrainer`` run a tool loop (``_tool_call_loop``) whose rou
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import types
+
 CHECKED = "trl 1.16.0"
 
 TOOL_LOOP = "_tool_call_loop"
@@ -42,8 +46,6 @@ def uses_vllm(trainer) -> bool:
 
 def single_turn_placeholder_args(trainer, eos_id: int) -> tuple[tuple, dict]:
     """Arguments of a one-row ``_generate_single_turn`` call whose output is thrown away."""
-    import inspect
-
     params = inspect.signature(getattr(trainer, SINGLE_TURN)).parameters
     kwargs = {"num_generations": 1} if "num_generations" in params else {}
     return ([[int(eos_id)]], None, {}), kwargs
@@ -66,8 +68,6 @@ def per_rank_draw_trainer(trainer) -> bool:
 def wrap_module_function(location: tuple[str, str], wrap):
     """Replace the module-level function at ``location`` ((module, name), e.g. :data:`ADD_HOOKS`) by
     ``wrap(original)``; returns the undo. TRL looks these up by module global at call time."""
-    import importlib
-
     module = importlib.import_module(location[0])
     original = getattr(module, location[1])
     setattr(module, location[1], wrap(original))
@@ -90,8 +90,6 @@ _FUSED_CELLS = (
 
 def fused_lm_head_settings(model) -> dict | None:
     """The settings of TRL's fused LM head on ``model`` (its instance ``forward``), or None."""
-    import types
-
     fwd = getattr(model, "__dict__", {}).get("forward")
     func = getattr(fwd, "__func__", None) if isinstance(fwd, types.MethodType) else None
     # functools.wraps renamed it after the model's forward; its code object keeps TRL's name
@@ -112,6 +110,6 @@ def fused_lm_head_settings(model) -> dict | None:
 
 
 def fused_output_class():
-    from trl.trainer.utils import FusedCausalLMOutput
+    from trl.trainer.utils import FusedCausalLMOutput  # optional: trl
 
     return FusedCausalLMOutput

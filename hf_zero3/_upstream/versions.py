@@ -12,6 +12,9 @@ this module, the requirements files, ``pyproject.toml`` and the README's table t
 from __future__ import annotations
 
 import functools
+from importlib.metadata import PackageNotFoundError, version
+
+from packaging.version import Version
 
 #: CI's release sets (requirements/<name>.txt); README "Supported versions" lists them.
 RELEASE_SETS = {
@@ -68,8 +71,6 @@ class VersionError(RuntimeError):
 def installed(pkg: str) -> str | None:
     """The installed release of ``pkg`` (None: not installed; read once per process: the decode
     path asks at every call)."""
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version(pkg)
     except PackageNotFoundError:
@@ -78,8 +79,6 @@ def installed(pkg: str) -> str | None:
 
 def check_versions(feature: str = "core") -> list[str]:
     """Problems with the installed versions for ``feature``, as messages naming the fix."""
-    from packaging.version import Version
-
     problems = []
     floors = dict(MINIMUM["core"])
     floors.update(MINIMUM.get(feature, {}))
@@ -99,8 +98,6 @@ def check_versions(feature: str = "core") -> list[str]:
 def newer_than_checked(pkg: str, have: str | None = None) -> str | None:
     """``pkg``'s installed release (or ``have``) where it is newer than :data:`NEWEST`'s (None: not
     newer, or not installed)."""
-    from packaging.version import Version
-
     have = have if have is not None else installed(pkg)
     if have is None or pkg not in NEWEST:
         return None

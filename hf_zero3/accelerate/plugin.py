@@ -27,8 +27,12 @@ from typing import Any
 
 from accelerate.utils import DeepSpeedPlugin
 
+from .._upstream import accelerate as acc_up
 from .._upstream import patches
+from .._upstream.versions import require
 from ..compile.config import SECTION, ConfigError, MemoryPlanConfig
+from ..compile.memory_plan import apply_memory_plan, engine_plan_config, plan_applies
+from ..runtime import runtime_of
 
 log = logging.getLogger("hf_zero3.accelerate")
 PATCHES = (
@@ -55,8 +59,6 @@ def wants_memory_plan(ds_config: dict) -> bool:
 
 def _default_schedule(engine):
     """The memory plan's schedule for a ZeRO-3 DeepCompile engine that asks for it, else None."""
-    from ..compile.memory_plan import apply_memory_plan, engine_plan_config, plan_applies
-
     config = engine_plan_config(engine)
     if not plan_applies(engine, config):
         return None
@@ -74,9 +76,6 @@ def _before_prepare(accelerator) -> MemoryPlanConfig | None:
 
 
 def _after_prepare(accelerator, engine, config: MemoryPlanConfig | None) -> None:
-    from ..compile.memory_plan import plan_applies
-    from ..runtime import runtime_of
-
     if config is None:
         return
     runtime_of(engine).memory_plan_config = config
@@ -91,9 +90,6 @@ def _after_prepare(accelerator, engine, config: MemoryPlanConfig | None) -> None
 def enable_memory_plan() -> None:
     """Install the two wrappers (idempotent). The plan itself is then configured per run by the
     DeepSpeed config's ``hf_zero3.memory_plan`` section (or ``HF_ZERO3_*``)."""
-    from .._upstream import accelerate as acc_up
-    from .._upstream.versions import require
-
     require("core")
     patches.install(PATCHES[0], lambda: acc_up.patch_deepspeed_compile_default_schedule(_default_schedule))
     patches.install(PATCHES[1], lambda: acc_up.patch_accelerate_prepare_deepspeed(_before_prepare, _after_prepare))

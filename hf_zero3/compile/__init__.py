@@ -15,6 +15,7 @@
 """
 
 from .config import ConfigError, MemoryPlanConfig
+from .memory_plan import apply_memory_plan, compile_with_memory_plan, memory_plan_schedule
 from .planner import (
     BudgetTooSmallError,
     GraphProfile,
@@ -39,12 +40,3 @@ __all__ = [
     "compile_with_memory_plan",
     "memory_plan_schedule",
 ]
-
-
-def __getattr__(name):
-    if name in ("apply_memory_plan", "compile_with_memory_plan", "memory_plan_schedule"):
-        # Lazy: the pass imports torch and the runtime; reading the settings (config) needs neither.
-        from . import memory_plan
-
-        return getattr(memory_plan, name)
-    raise AttributeError(name)

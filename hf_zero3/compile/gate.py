@@ -17,7 +17,7 @@ agreed values, so every rank issues or defers the same prefetches and the NCCL a
 one order. A deferred gather happens at its point of use (DeepCompile's ``allgather_param``).
 
 ``gated_prefetch`` and the allocator read are native (``csrc/gate.cpp``) when
-:func:`hf_zero3._ext.is_available`, else the pure-PyTorch code below, which decides the same.
+:func:`hf_zero3.native_gate.is_available`, else the pure-PyTorch code below, which decides the same.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .. import _ext
 from .. import agree as agreement
+from .. import native_gate
 from .._upstream.deepspeed import dc_prefetch_fused
 from .._upstream.torch import mark_side_effectful
 from ..device_memory import MemoryState, read_cuda_memory
@@ -53,7 +53,7 @@ _COUNTERS = {"issued": 0, "deferred": 0, "issued_bytes": 0, "deferred_bytes": 0,
 
 
 def native():
-    return _ext.load()
+    return native_gate.load()
 
 
 def memory_state(device: int | torch.device | None = None) -> MemoryState:

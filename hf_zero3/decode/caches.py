@@ -11,23 +11,23 @@ from __future__ import annotations
 import weakref
 
 # -- freed by release(model): what one model holds or failed at -----------------------------------
-_LOOPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {shape: (addresses/state, _Loop)}
-_FAILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> why its forward did not compile
-_PREFILL_FAILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> why its prompt forward did not
-_NO_GRAPHS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> why its steps were not captured
-_PER_MODEL = (_LOOPS, _FAILED, _PREFILL_FAILED, _NO_GRAPHS)
+LOOPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {shape: (addresses/state, DecodeLoop)}
+FORWARD_FAILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> why its forward did not compile
+PREFILL_FAILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> why its prompt forward did not
+NO_GRAPHS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> why its steps were not captured
+_PER_MODEL = (LOOPS, FORWARD_FAILED, PREFILL_FAILED, NO_GRAPHS)
 
 # -- freed by release() (every model): the process's own failure ------------------------------------
-_TAIL_FAILED: list = []  # why the greedy tail did not compile (then it runs eagerly)
+TAIL_FAILED: list = []  # why the greedy tail did not compile (then it runs eagerly)
 
 # -- kept across release(): they hold no model, no buffer and no graph, and forgetting them would
 # cost what release() is not for. A new torch.compile of the same function is a new backend to
 # Dynamo, so a dropped compiled function compiles the prompt forward, the decode step or the tail
 # again (tens of seconds: benchmarks/RESULTS.md); the TF32 setting is the one those functions were compiled
-# under, and a forgotten one lets a trainer's flip recompile them (see compiled._tf32_pinned).
-_COMPILED: dict = {}  # (model class or a layer function, dependent launches) -> its compiled __call__ or layer
-_ONCE: dict = {}  # function -> its torch.compile(fullgraph=True), built at first use
-_TF32: list = []  # whether TF32 matmuls were on in the process's first static-loop call
+# under, and a forgotten one lets a trainer's flip recompile them (see compiled.tf32_pinned).
+COMPILED: dict = {}  # (model class or a layer function, dependent launches) -> its compiled __call__ or layer
+ONCE: dict = {}  # function -> its torch.compile(fullgraph=True), built at first use
+TF32: list = []  # whether TF32 matmuls were on in the process's first static-loop call
 
 
 def release(model=None) -> None:
@@ -38,7 +38,7 @@ def release(model=None) -> None:
     if model is None:
         for kept in _PER_MODEL:
             kept.clear()
-        _TAIL_FAILED.clear()
+        TAIL_FAILED.clear()
     else:
         for kept in _PER_MODEL:
             kept.pop(model, None)

@@ -1,6 +1,6 @@
 """The functions the static loop compiles, and how: the decode step's forward
-(:func:`_compiled_call`), or one decoder layer's (:func:`_compiled_layer`), the prompt's forward
-(:func:`_prompt_logits`, or one decoder layer's in it) and the greedy tail (:func:`_greedy_tail`), each
+(:func:`compiled_model_call`), or one decoder layer's (:func:`compiled_layer`), the prompt's forward
+(:func:`prompt_logits`, or one decoder layer's in it) and the greedy tail (:func:`greedy_tail`), each
 ``torch.compile(fullgraph=True)`` with inductor's alignment asserts off; the errors that say a
 compile or its code failed; and the TF32 setting they are pinned to. The compiled functions
 themselves are kept in :mod:`.caches`."""
@@ -17,15 +17,16 @@ import torch
 from .._upstream import deepspeed as ds_up
 from .._upstream import torch as torch_up
 from .._upstream import transformers as hf_up
-from .caches import _COMPILED, _ONCE, _TF32
+from .caches import COMPILED, ONCE, TF32
 
-_COMPILE_ERRORS = torch_up.dynamo_compile_errors()
+COMPILE_ERRORS = torch_up.dynamo_compile_errors()
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep  # torch's own frames (not a path that merely holds "torch")
 # what a compiled prompt forward raises when its code fails as it runs (inductor's run-time asserts
 # raise AssertionError or TypeError, a backend's kernel RuntimeError); out of memory is re-raised
-_RUN_ERRORS = (RuntimeError, TypeError, AssertionError)
+RUN_ERRORS = (RuntimeError, TypeError, AssertionError)
 
 
-def _why(exc: BaseException) -> str:
+def failure_reason(exc: BaseException) -> str:
     """One line: the error's first line, and Dynamo's own pointer to what it could not trace
     (its ``Developer debug context``: the function, file or operator) when it gives one; for
     another error (a CUDA-graph capture's), the innermost line that raised it outside torch."""
@@ -42,18 +43,25 @@ def _why(exc: BaseException) -> str:
     if frames:
         why += f" at {frames[-1][:200]}"  # the innermost traced line
     elif exc.__traceback__ is not None:  # not Dynamo's: the innermost line outside torch itself
-        here = [f for f in traceback.extract_tb(exc.__traceback__) if f"{os.sep}torch{os.sep}" not in f.filename]
+        here = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_TORCH_DIR)]
         if here:
             why += f" at {os.path.basename(here[-1].filename)}:{here[-1].lineno} in {here[-1].name}"
     return why
 
 
-def _forward_kwargs(model) -> dict:
+def forward_kwargs(model) -> dict:
+    """What the loop's forwards pass besides the inputs: the last position's logits only, and no
+    MoE router logits. A config's ``output_router_logits`` (TRL sets it for GRPO's auxiliary loss)
+    would compute the load-balancing loss in every step, work a step does not use, and one whose
+    host copy a CUDA graph cannot capture: every step of such a rollout ran uncaptured."""
     params = inspect.signature(type(model).forward).parameters
-    return {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+    out = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+    if "output_router_logits" in params:
+        out["output_router_logits"] = False
+    return out
 
 
-def _compiled_call(cls, dependent: bool = False):
+def compiled_model_call(cls, dependent: bool = False):
     """``cls.__call__`` compiled into one graph (hooks included, as transformers compiles it),
     once per class: an unbound function holds no model alive. Its graphs guard on the modules'
     hooks (``_upstream.torch.hook_guards``): a call with other hooks compiles again. ``dependent``:
@@ -64,8 +72,8 @@ def _compiled_call(cls, dependent: bool = False):
 def _compiled_with_hook_guards(key, target, dependent: bool):
     """``target`` compiled into one graph with the decode options (inductor's alignment asserts
     off; ``dependent``: programmatic dependent launches), called with hook guards on; built once
-    per ``(key, dependent)`` and kept in :data:`.caches._COMPILED`."""
-    fn = _COMPILED.get((key, dependent))
+    per ``(key, dependent)`` and kept in :data:`.caches.COMPILED`."""
+    fn = COMPILED.get((key, dependent))
     if fn is None:
         options = torch_up.inductor_options_without_alignment_asserts()
         if dependent:
@@ -76,7 +84,7 @@ def _compiled_with_hook_guards(key, target, dependent: bool):
             with torch_up.hook_guards():
                 return compiled(*args, **kwargs)
 
-        _COMPILED[(key, dependent)] = fn
+        COMPILED[(key, dependent)] = fn
     return fn
 
 
@@ -106,15 +114,15 @@ def _prompt_layer_call(layer, *args, **kwargs):
     return type(layer).forward(layer, *args, **kwargs)
 
 
-def _compiled_layer(dependent: bool = False, prompt: bool = False):
+def compiled_layer(dependent: bool = False, prompt: bool = False):
     """:func:`_layer_call` (``prompt``: :func:`_prompt_layer_call`) compiled into one graph, once
-    per process (``dependent``: as :func:`_compiled_call`'s). Its graphs guard on the layers' hooks
+    per process (``dependent``: as :func:`compiled_model_call`'s). Its graphs guard on the layers' hooks
     as the whole step's do."""
     target = _prompt_layer_call if prompt else _layer_call
     return _compiled_with_hook_guards(target, target, dependent)
 
 
-def _prompt_logits(model, **kwargs):
+def prompt_logits(model, **kwargs):
     """The prompt's forward, to the last position's logits. Its own function, so Dynamo keeps its
     graphs (one per batch size, the prompt length dynamic) apart from the decode step's: the step
     compiles ``Module.__call__``, whose code object (and recompile limit, and automatic-dynamic
@@ -122,19 +130,19 @@ def _prompt_logits(model, **kwargs):
     return model(**kwargs).logits[:, -1]
 
 
-def _compiled_once(fn):
-    """``fn`` compiled into one graph, built once per process (:func:`_prompt_logits`,
-    :func:`_greedy_tail`: their own code objects, so their own Dynamo caches). Inductor's default
+def compiled_once(fn):
+    """``fn`` compiled into one graph, built once per process (:func:`prompt_logits`,
+    :func:`greedy_tail`: their own code objects, so their own Dynamo caches). Inductor's default
     Python wrapper: a C++ wrapper for the prompt forward gave no gain and a slower first compile
     (see the ablations in benchmarks/HISTORY.md)."""
-    compiled = _ONCE.get(fn)
+    compiled = ONCE.get(fn)
     if compiled is None:
         options = torch_up.inductor_options_without_alignment_asserts()
-        compiled = _ONCE[fn] = torch.compile(fn, fullgraph=True, **({"options": options} if options else {}))
+        compiled = ONCE[fn] = torch.compile(fn, fullgraph=True, **({"options": options} if options else {}))
     return compiled
 
 
-def _record_token(nxt, unfinished, pad, eos, out, idx, own, alive, tok, pos) -> None:
+def record_token(nxt, unfinished, pad, eos, out, idx, own, alive, tok, pos) -> None:
     """After a step's token choice, in place on the loop's buffers: EOS masking, the token written
     out, the row and "any row alive" flags, the next input token and its position."""
     if eos is not None:
@@ -164,24 +172,24 @@ def _argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return chunk * width + where.gather(1, chunk[:, None]).squeeze(1)
 
 
-def _greedy_tail(logits, *buffers) -> None:
+def greedy_tail(logits, *buffers) -> None:
     """A greedy step after the forward: the argmax of the model's logits (that of their float32
-    copy, ties to the first index) and :func:`_record_token`. Compiled: one reduction and one
+    copy, ties to the first index) and :func:`record_token`. Compiled: one reduction and one
     pointwise kernel instead of about ten launches per step (an eager bf16 argmax over the
     vocabulary alone is a sizeable part of a decode step)."""
-    _record_token(_argmax_rows(logits), *buffers)
+    record_token(_argmax_rows(logits), *buffers)
 
 
 @contextlib.contextmanager
-def _tf32_pinned():
+def tf32_pinned():
     """TF32 matmuls on or off as in the process's first static-loop call, for this call. Dynamo
     guards a compiled function on that global setting, and a trainer that flips it between
     rollouts (GRPO under DeepCompile did) recompiled the prompt forward and the decode step at the
     next rollout (tens of seconds each); with the setting pinned they keep one graph."""
     now = torch.backends.cuda.matmul.allow_tf32
-    if not _TF32:
-        _TF32.append(now)
-    torch.backends.cuda.matmul.allow_tf32 = _TF32[0]
+    if not TF32:
+        TF32.append(now)
+    torch.backends.cuda.matmul.allow_tf32 = TF32[0]
     try:
         yield
     finally:

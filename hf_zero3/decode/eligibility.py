@@ -4,9 +4,12 @@ gives in ``hf_zero3_last_generate.loop_reason``."""
 
 from __future__ import annotations
 
+from transformers.cache_utils import StaticLayer
+from transformers.generation.utils import GenerationMixin
+
 from .._upstream import transformers as hf_up
 from . import families, logits_processors, ring_cache
-from .caches import _FAILED
+from .caches import FORWARD_FAILED
 
 # Criteria the loop computes itself: the step budget, and EOS on the token just chosen.
 GRAPH_SAFE_CRITERIA = frozenset({"MaxLengthCriteria", "EosTokenCriteria"})
@@ -28,8 +31,6 @@ _MODEL_KWARGS = frozenset(
 def _static_layers(cache) -> bool:
     """Every layer is one the loop steps in place: a static layer, a ring (:mod:`.ring_cache`), or a
     linear-attention layer's static states (not recording its past for a rollback)."""
-    from transformers.cache_utils import StaticLayer
-
     linear = hf_up.linear_attention_layer_class()
     layers = getattr(cache, "layers", None)
     return (
@@ -48,10 +49,8 @@ def unsupported(
 ) -> str | None:
     """Why this call cannot take the loop (None: it can); ``length``: prompt + the agreed step
     budget. Local: ranks that decide differently still agree at the same steps."""
-    from transformers.generation.utils import GenerationMixin
-
-    if model in _FAILED:
-        return _FAILED[model]
+    if model in FORWARD_FAILED:
+        return FORWARD_FAILED[model]
     if type(model).prepare_inputs_for_generation is not GenerationMixin.prepare_inputs_for_generation:
         why = families.generation_inputs_reason(model, length)
         if why is not None:
@@ -89,7 +88,7 @@ def unsupported(
         )
     if cache is None or not _static_layers(cache):
         return "the cache is not transformers' StaticCache (StaticLayer layers)"
-    room = _cache_length(cache)
+    room = cache_length(cache)
     if length > room:
         return f"the static cache holds {room} tokens, fewer than prompt + new tokens ({length})"
     return None
@@ -99,7 +98,7 @@ def unsupported(
 _PER_STEP_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
 
-def _cache_length(cache) -> int:
+def cache_length(cache) -> int:
     """Tokens of a call every layer of a static cache holds (a ring: every call up to its span; a
     linear-attention layer: any)."""
     return min(
@@ -111,4 +110,4 @@ def _cache_length(cache) -> int:
 
 def failure(model) -> str | None:
     """Why ``model``'s forward did not compile into one graph (None: it did, or was not tried)."""
-    return _FAILED.get(model)
+    return FORWARD_FAILED.get(model)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from ..kernels import decode_gemm
 from ..options import DecodeOptions
 from . import fused_qkv, gqa_attention, layer_compile, mlp_kernels
-from .compiled import _compiled_layer
+from .compiled import compiled_layer
 
 log = logging.getLogger("hf_zero3.generation")
 
@@ -50,7 +50,7 @@ class Feature:
         """Once per call, after the prompt's forward (the static cache's tensors exist)."""
 
     def use(self, loop) -> contextlib.AbstractContextManager:
-        """Around each decode step of ``loop`` (a :class:`~hf_zero3.decode.loop._Loop`)."""
+        """Around each decode step of ``loop`` (a :class:`~hf_zero3.decode.loop.DecodeLoop`)."""
         return contextlib.nullcontext()
 
     def after_step(self, cache) -> None:
@@ -209,7 +209,7 @@ class CompiledLayers(Feature):
         return self.layers.failed
 
     def bind(self, model, cache) -> None:
-        self.count = self.layers.bind(model, cache, _compiled_layer(self.dependent))
+        self.count = self.layers.bind(model, cache, compiled_layer(self.dependent))
 
     def use(self, loop):
         return self.layers.use() if loop.step_kind == "layers" else contextlib.nullcontext()

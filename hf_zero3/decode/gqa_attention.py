@@ -28,6 +28,8 @@ import contextlib
 import weakref
 
 import torch
+from transformers.cache_utils import StaticLayer
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from .._upstream import torch as torch_up
 from .._upstream import transformers as hf_up
@@ -178,10 +180,6 @@ def _(cos, sin):
 
 def _llama_rotary_forwards() -> tuple:
     """The rotary embeddings whose output :func:`rope_use` routes through :func:`_rotary_rows`."""
-    try:
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-    except ImportError:
-        return ()
     return (LlamaRotaryEmbedding.forward,)
 
 
@@ -237,8 +235,6 @@ def rope_plan(model, attention: str | None) -> tuple[str, ...]:
 def rope_bind(model, names: tuple[str, ...], cache) -> list:
     """The named modules (:func:`rope_plan`) that still apply to this call's ``cache`` (after its
     prompt's forward: a static layer allocates its tensors at its first update), once per call."""
-    from transformers.cache_utils import StaticLayer
-
     bound = []
     layers = getattr(cache, "layers", ())
     for name in names:

@@ -1,6 +1,6 @@
-"""How a call's decode steps run: :class:`_Runner` replays CUDA graphs of several steps each
+"""How a call's decode steps run: :class:`GraphRunner` replays CUDA graphs of several steps each
 between two stop agreements (on CPU, or with ``graph_steps=0``, steps one by one), and
-:class:`_Snapshot` gives a late stop check the previous check's flag without waiting for the GPU."""
+:class:`StopSnapshot` gives a late stop check the previous check's flag without waiting for the GPU."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ import time
 
 import torch
 
-from .caches import _NO_GRAPHS
-from .compiled import _why
-from .loop import _Loop
+from .caches import NO_GRAPHS
+from .compiled import failure_reason
+from .loop import DecodeLoop
 from .phases import phase
 
 log = logging.getLogger("hf_zero3.generation")
 
 
-class _Runner:
+class GraphRunner:
     """Runs one call's decode steps. A loop's first step ever runs uncaptured (it compiles the
     forward, or with ``compile_step=False`` tunes its kernels, and it is the warm-up CUDA-graph
     capture needs; a real step, its token kept); on CUDA
@@ -29,9 +29,9 @@ class _Runner:
     parameters, the cache and the model's state are those they were captured with; on CPU, or
     with ``graph_steps=0``, steps run one by one."""
 
-    def __init__(self, loop: _Loop, graph_steps: int):
+    def __init__(self, loop: DecodeLoop, graph_steps: int):
         self.loop = loop
-        self.graph_steps = graph_steps if loop.mask.is_cuda and loop.model not in _NO_GRAPHS and loop.compiled else 0
+        self.graph_steps = graph_steps if loop.mask.is_cuda and loop.model not in NO_GRAPHS and loop.compiled else 0
         self.capture_s = 0.0  # host seconds spent capturing this call's graphs
         self.captured: set[int] = set()
         self.reused = False  # replayed a graph an earlier call captured
@@ -87,10 +87,11 @@ class _Runner:
                     with phase("capture"):
                         g = self._capture(size)
                 except RuntimeError as exc:  # an op that syncs the host cannot be captured; nothing ran
-                    _NO_GRAPHS[self.loop.model] = _why(exc)
+                    NO_GRAPHS[self.loop.model] = failure_reason(exc)
                     log.warning(
-                        "hf_zero3 lockstep: decode steps not captured as CUDA graphs: %s", _NO_GRAPHS[self.loop.model]
+                        "hf_zero3 lockstep: decode steps not captured as CUDA graphs: %s", NO_GRAPHS[self.loop.model]
                     )
+                    log.debug("the capture's traceback", exc_info=True)
                     self.loop.graphs.clear()
                     self.graph_steps = 0
                     continue
@@ -101,13 +102,13 @@ class _Runner:
             n -= size
 
 
-class _Snapshot:
+class StopSnapshot:
     """A late stop check's value (:func:`hf_zero3.generation.config.stop_schedule`): at each
     check, whether some row was unfinished at the previous check. The flag is copied to pinned
     host memory after the steps queued before a check and read at the next one, when those steps
     have long run (the GPU is decoding the steps queued after them): no check waits for the GPU."""
 
-    def __init__(self, loop: _Loop):
+    def __init__(self, loop: DecodeLoop):
         self.loop = loop
         cuda = loop.unfinished.is_cuda
         self.host = torch.ones((), dtype=torch.bool, pin_memory=cuda)

@@ -18,7 +18,7 @@ type (``config.layer_types``), each layer's modules sharing one index; elsewhere
 whole (:func:`plan` says why). Where the layers still differ to Dynamo (a hook on one layer's
 module, say: the graphs guard on hooks), a second layer compiling a graph of its own in one step
 makes the step compile whole from the next one on, instead of compiling every layer apart. The
-layers' compiled function is :func:`.compiled._compiled_layer` (the prompt's layers: its own, whose
+layers' compiled function is :func:`.compiled.compiled_layer` (the prompt's layers: its own, whose
 prompt length turns dynamic; :func:`.prefill._layered_prefill`).
 """
 
@@ -32,7 +32,7 @@ from torch import nn
 from .._upstream import torch as torch_up
 from .._upstream import transformers as hf_up
 from . import families
-from .compiled import _COMPILE_ERRORS, _why
+from .compiled import COMPILE_ERRORS, failure_reason
 
 
 def _indexed(layer: nn.Module) -> list[nn.Module]:
@@ -78,10 +78,10 @@ def _forward(owner: "Layers", layer: nn.Module, view, indexed: list[nn.Module], 
         graphs = torch_up.dynamo_graph_count()
         try:
             out = compiled(m, *args, **kwargs)
-        except _COMPILE_ERRORS as exc:
+        except COMPILE_ERRORS as exc:
             # raised while Dynamo traced or compiled, before the layer's graph ran: nothing of this
             # layer was written, so its own forward computes it (the earlier layers ran compiled)
-            owner.failed = _why(exc)
+            owner.failed = failure_reason(exc)
         else:
             if torch_up.dynamo_graph_count() != graphs:
                 owner.compiled_in_step += 1

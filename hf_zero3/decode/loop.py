@@ -1,4 +1,4 @@
-"""The static loop's buffers (:class:`_Loop`): one (model, batch, cache length, options)'s
+"""The static loop's buffers (:class:`DecodeLoop`): one (model, batch, cache length, options)'s
 per-token tensors, updated in place so that a decode step is a fixed sequence of kernels (the unit
 a CUDA graph captures), and the check of what its graphs were captured with."""
 
@@ -11,16 +11,16 @@ import torch
 
 from .._upstream import transformers as hf_up
 from . import families, features, logits_processors, ring_cache
-from .caches import _FAILED, _TAIL_FAILED
+from .caches import FORWARD_FAILED, TAIL_FAILED
 from .compiled import (
-    _COMPILE_ERRORS,
-    _compiled_call,
-    _compiled_once,
-    _forward_kwargs,
-    _greedy_tail,
-    _record_token,
-    _why,
+    COMPILE_ERRORS,
     bookkeeping_hooks_suspended,
+    compiled_model_call,
+    compiled_once,
+    failure_reason,
+    forward_kwargs,
+    greedy_tail,
+    record_token,
 )
 
 log = logging.getLogger("hf_zero3.generation")
@@ -34,9 +34,18 @@ def _tensor_ptrs(obj, big: bool = False) -> tuple:
     return tuple((k, v.data_ptr()) for k, v in hf_up.layer_state_tensors(obj) if not big or v.numel() > _SMALL)
 
 
-class _Loop:
+def sample_one(probs: torch.Tensor) -> torch.Tensor:
+    """One token per row drawn from ``probs``, as ``torch.multinomial(probs, 1)`` draws it (the same
+    exponential race on the same generator: the same tokens) without its validity check, whose
+    host read cannot be captured in a CUDA graph ("Cannot copy between CPU and CUDA tensors
+    during CUDA graph capture"): every sampled step (TRL's rollouts) would run uncaptured."""
+    race = torch.empty_like(probs).exponential_(1)
+    return torch.argmax(probs / race, dim=-1)
+
+
+class DecodeLoop:
     """The static buffers of one (model, batch, cache length, options) and the CUDA graphs of its
-    decode steps, kept across calls (see :func:`.loop_cache._loop_for`); per call, :meth:`start`
+    decode steps, kept across calls (see :func:`.loop_cache.loop_for`); per call, :meth:`start`
     fills them in place and :meth:`end` drops the call's objects (the model among them: a kept loop
     holds none)."""
 
@@ -81,7 +90,7 @@ class _Loop:
         self, model, input_ids, mask, positions, cache, processors, generation_config, stopping_criteria, budget, vocab
     ):
         """Fill the buffers for one call (``mask``, ``positions``: the prompt's, from
-        :func:`.prefill._prompt_inputs`) after its prompt's forward was queued."""
+        :func:`.prefill.prompt_inputs`) after its prompt's forward was queued."""
         self.model, self.processors, self.cache = model, processors, cache
         b, p = input_ids.shape
         self.prompt = input_ids
@@ -100,11 +109,11 @@ class _Loop:
         self.pad.copy_((pad if pad is not None else torch.tensor(0)).flatten()[0])
         self.out[:, :budget].fill_(self.pad)
         self.alive.fill_(True)
-        self.extra = _forward_kwargs(model)
+        self.extra = forward_kwargs(model)
 
     def _choose_call(self) -> None:
         whole = self.step_kind == "compiled"
-        self.call = _compiled_call(type(self.model), self.dependent) if whole else type(self.model).__call__
+        self.call = compiled_model_call(type(self.model), self.dependent) if whole else type(self.model).__call__
 
     @property
     def step_kind(self) -> str:
@@ -202,13 +211,13 @@ class _Loop:
                 kwargs["attention_mask"] = ring_cache.step_masks(self.model, self.cache, self.mask)
             try:
                 out = self.call(self.model, **kwargs)
-            except _COMPILE_ERRORS as exc:
+            except COMPILE_ERRORS as exc:
                 # Dynamo/inductor failed before running a kernel (a graph break, the recompile limit:
                 # a hook with Python state, say): this step and the rest run the forward eagerly
                 if self.step_kind == "eager":
                     raise
-                why = f"the forward does not compile into one graph ({_why(exc)})"
-                _FAILED[self.model] = why
+                why = f"the forward does not compile into one graph ({failure_reason(exc)})"
+                FORWARD_FAILED[self.model] = why
                 log.warning("hf_zero3 lockstep: static loop without torch.compile: %s", why)
                 self.call, self.compiled = type(self.model).__call__, False
                 out = self.call(self.model, **kwargs)
@@ -226,19 +235,19 @@ class _Loop:
     def _choose(self, logits: torch.Tensor) -> None:
         buffers = (self.unfinished, self.pad, self.eos, self.out, self.idx, self.own, self.alive, self.tok, self.pos)
         if not self.sample and not self.processors:
-            if self.compile_step and not _TAIL_FAILED:
+            if self.compile_step and not TAIL_FAILED:
                 try:
-                    return _compiled_once(_greedy_tail)(logits, *buffers)
-                except _COMPILE_ERRORS as exc:  # before any kernel ran: the eager tail does the same
-                    _TAIL_FAILED.append(_why(exc))
-                    log.warning("hf_zero3 lockstep: greedy steps without a compiled tail: %s", _TAIL_FAILED[0])
-            return _greedy_tail(logits, *buffers)
+                    return compiled_once(greedy_tail)(logits, *buffers)
+                except COMPILE_ERRORS as exc:  # before any kernel ran: the eager tail does the same
+                    TAIL_FAILED.append(failure_reason(exc))
+                    log.warning("hf_zero3 lockstep: greedy steps without a compiled tail: %s", TAIL_FAILED[0])
+            return greedy_tail(logits, *buffers)
         scores = self.logits(logits.to(torch.float32), self.idx, self.prompt)
         if self.sample:
-            nxt = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+            nxt = sample_one(torch.softmax(scores, dim=-1))
         else:
             nxt = torch.argmax(scores, dim=-1)
-        _record_token(nxt, *buffers)
+        record_token(nxt, *buffers)
         self.logits.record(self.tok)
 
     def finished(self) -> bool:

@@ -14,9 +14,9 @@ from .._upstream import deepspeed as ds_up
 from .._upstream import torch as torch_up
 from ..options import DecodeOptions
 from . import features, gqa_attention, logits_processors
-from .caches import _LOOPS
-from .eligibility import _cache_length
-from .loop import _Loop
+from .caches import LOOPS
+from .eligibility import cache_length
+from .loop import DecodeLoop
 
 KEEP = 2  # loops (static buffers and CUDA graphs) kept per model
 
@@ -92,7 +92,7 @@ def _loop_key(
     shape = (
         type(model),
         input_ids.shape[0],
-        _cache_length(cache),
+        cache_length(cache),
         str(dev),
         bool(generation_config.do_sample),
         procs,
@@ -112,9 +112,9 @@ def _loop_key(
     return shape, where
 
 
-def _loop_for(
+def loop_for(
     model, input_ids, processors, generation_config, eos, eos_key, cache, options: DecodeOptions
-) -> tuple[_Loop, bool]:
+) -> tuple[DecodeLoop, bool]:
     """(the loop for this call, whether an earlier call's); at most ``KEEP`` per model, most recent
     first, and one per shape and ``options`` (resolved): a loop whose addresses or state no longer
     match is replaced. Host work only (no device sync): it runs while the prompt's forward does."""
@@ -122,14 +122,14 @@ def _loop_for(
     attention = gqa_attention.choice(model, device, input_ids.shape[0], options.triton_attention)
     key = _loop_key(model, input_ids, processors, generation_config, eos_key, cache, attention, options)
     if key is not None:
-        kept = _LOOPS.setdefault(model, collections.OrderedDict())
+        kept = LOOPS.setdefault(model, collections.OrderedDict())
         entry = kept.get(key[0])
         if entry is not None and entry[0] == key[1]:
             kept.move_to_end(key[0])
             return entry[1], True
-    loop = _Loop(
+    loop = DecodeLoop(
         input_ids.shape[0],
-        _cache_length(cache),
+        cache_length(cache),
         input_ids.device,
         eos,
         bool(generation_config.do_sample),
@@ -145,7 +145,7 @@ def _loop_for(
     return loop, False
 
 
-def _forget(model, loop: _Loop) -> None:
-    kept = _LOOPS.get(model, {})
+def forget_loop(model, loop: DecodeLoop) -> None:
+    kept = LOOPS.get(model, {})
     for shape in [s for s, (_, held) in kept.items() if held is loop]:
         del kept[shape]

@@ -12,22 +12,22 @@ from .._upstream import deepspeed as ds_up
 from .._upstream import torch as torch_up
 from .._upstream import transformers as hf_up
 from . import layer_compile
-from .caches import _PREFILL_FAILED
+from .caches import PREFILL_FAILED
 from .compiled import (
-    _COMPILE_ERRORS,
-    _RUN_ERRORS,
-    _compiled_layer,
-    _compiled_once,
-    _forward_kwargs,
-    _prompt_logits,
-    _why,
+    COMPILE_ERRORS,
+    RUN_ERRORS,
     bookkeeping_hooks_suspended,
+    compiled_layer,
+    compiled_once,
+    failure_reason,
+    forward_kwargs,
+    prompt_logits,
 )
 
 log = logging.getLogger("hf_zero3.generation")
 
 
-def _prompt_inputs(input_ids, model_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+def prompt_inputs(input_ids, model_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """The prompt's padding mask (long) and positions: the caller's, or transformers' from the mask."""
     mask = model_kwargs.get("attention_mask")
     mask = torch.ones_like(input_ids) if mask is None else mask.to(torch.long)
@@ -37,11 +37,11 @@ def _prompt_inputs(input_ids, model_kwargs) -> tuple[torch.Tensor, torch.Tensor]
     return mask, positions.expand(input_ids.shape[0], -1)
 
 
-def _prefill(
+def run_prefill(
     model, input_ids, mask, positions, cache, compile: bool = True, layers: str | None = None
 ) -> tuple[torch.Tensor, str]:
     """The prompt's forward into the static cache: (its last position's logits, "compiled",
-    "layers" or "eager"). Compiled (``_prompt_logits``) with the prompt length dynamic, so prompts
+    "layers" or "eager"). Compiled (``prompt_logits``) with the prompt length dynamic, so prompts
     of any length share one graph per batch size, and with the decode steps' hook suspensions; with
     ``layers`` (the decoder layers' name from :func:`.layer_compile.plan`, under
     :attr:`~hf_zero3.options.DecodeOptions.compile_layers`) the model's forward with each decoder
@@ -57,29 +57,29 @@ def _prefill(
         position_ids=positions,
         use_cache=True,
         **hf_up.cache_arguments(cache),
-        **_forward_kwargs(model),
+        **forward_kwargs(model),
     )
-    if compile and model not in _PREFILL_FAILED and hf_up.linear_attention_layers(cache):
+    if compile and model not in PREFILL_FAILED and hf_up.linear_attention_layers(cache):
         # measured (benchmarks/RESULTS.md, Model families): Dynamo unrolls the chunk loop of the
         # gated delta rule's prompt form, and a Qwen3.5-shaped prompt forward had not compiled
         # after minutes on an H100; the decode steps (one token: the recurrent form) compile in seconds
-        _PREFILL_FAILED[model] = (
+        PREFILL_FAILED[model] = (
             "the prompt's forward runs eagerly for a cache with linear-attention layers "
             "(compiling their chunked prompt form takes minutes)"
         )
-    if compile and layers is not None and model not in _PREFILL_FAILED:
+    if compile and layers is not None and model not in PREFILL_FAILED:
         try:
             out = _layered_prefill(model, cache, kwargs, layers)
         except torch.OutOfMemoryError:
             raise
-        except _RUN_ERRORS as exc:  # a compiled layer's code failed as it ran: as the compiled forward's
-            _PREFILL_FAILED[model] = why = f"the compiled prompt layer failed as it ran ({_why(exc)})"
+        except RUN_ERRORS as exc:  # a compiled layer's code failed as it ran: as the compiled forward's
+            PREFILL_FAILED[model] = why = f"the compiled prompt layer failed as it ran ({failure_reason(exc)})"
             log.warning("hf_zero3 lockstep: eager prefill: %s", why)
             cache.reset()
         else:
             if out is not None:
                 return out
-    if compile and model not in _PREFILL_FAILED:  # the whole forward (or where the layers could not bind)
+    if compile and model not in PREFILL_FAILED:  # the whole forward (or where the layers could not bind)
         dims = {}
         for name in ("input_ids", "attention_mask", "position_ids"):
             # contiguous (a sliced prompt's row stride is not its length: Dynamo would guard on
@@ -90,16 +90,18 @@ def _prefill(
             dims[name] = t
         try:
             with bookkeeping_hooks_suspended(model), torch_up.hook_guards():
-                return _compiled_once(_prompt_logits)(model, **{**kwargs, **dims}), "compiled"
-        except _COMPILE_ERRORS as exc:
-            _PREFILL_FAILED[model] = why = f"the prompt's forward does not compile into one graph ({_why(exc)})"
+                return compiled_once(prompt_logits)(model, **{**kwargs, **dims}), "compiled"
+        except COMPILE_ERRORS as exc:
+            PREFILL_FAILED[model] = why = (
+                f"the prompt's forward does not compile into one graph ({failure_reason(exc)})"
+            )
             log.warning("hf_zero3 lockstep: eager prefill: %s", why)
         except torch.OutOfMemoryError:
             raise
-        except _RUN_ERRORS as exc:
+        except RUN_ERRORS as exc:
             # the compiled code failed as it ran (a backend's kernel or one of inductor's run-time
             # asserts): the eager forward computes the same logits; local, as a prefill gathers nothing
-            _PREFILL_FAILED[model] = why = f"the compiled prompt forward failed as it ran ({_why(exc)})"
+            PREFILL_FAILED[model] = why = f"the compiled prompt forward failed as it ran ({failure_reason(exc)})"
             log.warning("hf_zero3 lockstep: eager prefill: %s", why)
             cache.reset()  # the layers it wrote before failing start again from an empty cache
     with ds_up.zero3_linear_without_autograd():
@@ -112,7 +114,7 @@ def _layered_prefill(model, cache, kwargs: dict, name: str) -> tuple[torch.Tenso
     (logits, "eager") where a layer did not compile (the reason kept per model), or None where the
     layers cannot be bound (nothing ran)."""
     layers = layer_compile.Layers(name)
-    if not layers.bind(model, cache, _compiled_layer(prompt=True)):
+    if not layers.bind(model, cache, compiled_layer(prompt=True)):
         return None
     try:
         with bookkeeping_hooks_suspended(model), ds_up.zero3_linear_without_autograd(), layers.use():
@@ -120,13 +122,13 @@ def _layered_prefill(model, cache, kwargs: dict, name: str) -> tuple[torch.Tenso
     finally:
         layers.end()
     if layers.failed is not None:
-        _PREFILL_FAILED[model] = why = f"the prompt's layer does not compile into one graph ({layers.failed})"
+        PREFILL_FAILED[model] = why = f"the prompt's layer does not compile into one graph ({layers.failed})"
         log.warning("hf_zero3 lockstep: eager prefill: %s", why)
         return logits, "eager"
     return logits, "layers"
 
 
-def _eos_ids(stopping_criteria, device) -> torch.Tensor | None:
+def eos_ids(stopping_criteria, device) -> torch.Tensor | None:
     ids = [c.eos_token_id for c in stopping_criteria or () if hasattr(c, "eos_token_id")]
     if not ids:
         return None

@@ -69,22 +69,22 @@ from .._upstream import torch as torch_up
 from .._upstream import transformers as hf_up
 from ..options import DecodeOptions
 from . import layer_compile
-from .caches import _PREFILL_FAILED
+from .caches import NO_GRAPHS, PREFILL_FAILED
 from .caches import release as release  # the decode engine's entry points, named here
-from .compiled import _tf32_pinned
+from .compiled import tf32_pinned
 from .eligibility import GRAPH_SAFE_CRITERIA as GRAPH_SAFE_CRITERIA
 from .eligibility import failure as failure
-from .eligibility import unsupported as unsupported
-from .graph_runner import _Runner, _Snapshot
-from .loop import _Loop
-from .loop_cache import _forget, _loop_for
+from .features import DecodeReport
+from .graph_runner import GraphRunner, StopSnapshot
+from .loop import DecodeLoop
+from .loop_cache import forget_loop, loop_for
 from .phases import phase
-from .prefill import _eos_ids, _prefill, _prompt_inputs
-from .ring_cache import make_rings as make_rings
-from .stops import LoopOutcome, StopAgreement, StopSchedule
+from .prefill import eos_ids, prompt_inputs, run_prefill
+from .ring_cache import make_rings
+from .stops import LoopOutcome, LoopStats, StopAgreement, StopSchedule
 
 
-@_tf32_pinned()
+@tf32_pinned()
 def decode(
     model,
     call: StopAgreement,
@@ -103,15 +103,15 @@ def decode(
     with phase("decode"):
         stops = call.schedule()
         cache = hf_up.generation_cache(model_kwargs)
-        eos = _eos_ids(stopping_criteria, input_ids.device)
+        eos = eos_ids(stopping_criteria, input_ids.device)
         eos_key = None if eos is None else tuple(eos.tolist())  # read before the prefill is queued
-        mask, positions = _prompt_inputs(input_ids, model_kwargs)
+        mask, positions = prompt_inputs(input_ids, model_kwargs)
         # the prompt's forward is queued first: the host looks up (or builds) the loop while it runs
         with phase("prefill"):
             layers = layer_compile.plan(model)[0] if options.compile_prefill and options.compile_layers else None
-            logits, prefill = _prefill(model, input_ids, mask, positions, cache, options.compile_prefill, layers)
+            logits, prefill = run_prefill(model, input_ids, mask, positions, cache, options.compile_prefill, layers)
         with phase("loop_lookup"):
-            loop, kept = _loop_for(model, input_ids, logits_processor, generation_config, eos, eos_key, cache, options)
+            loop, kept = loop_for(model, input_ids, logits_processor, generation_config, eos, eos_key, cache, options)
         try:
             with phase("start"):
                 loop.start(
@@ -126,7 +126,7 @@ def decode(
                     stops.budget,
                     logits.shape[-1],
                 )
-                runner = _Runner(loop, graph_steps)
+                runner = GraphRunner(loop, graph_steps)
             with phase("first_token"):
                 loop._choose(logits)  # the first token, from the prompt's logits
             with phase("bind"):
@@ -136,25 +136,28 @@ def decode(
                 out, done_at = loop.result(tokens)
                 report = loop.report()
         except BaseException:
-            _forget(model, loop)  # a call cut short leaves no half-captured loop behind
+            forget_loop(model, loop)  # a call cut short leaves no half-captured loop behind
             raise
         finally:
             loop.end()
         if not loop.compiled:
-            _forget(model, loop)  # later calls take transformers' loop (failure() says why)
+            forget_loop(model, loop)  # later calls take transformers' loop (failure() says why)
         call.finish_loop(
             LoopOutcome(
                 tokens,
                 done_at,
                 compiled=loop.compiled,
-                graph_steps=runner.graph_steps,
-                capture_s=runner.capture_s,
-                loop_reused=kept,
-                graphs_reused=runner.reused,
-                prefill=prefill,
-                prefill_reason=_PREFILL_FAILED.get(model),
-                step=loop.step_kind,
-                report=report,
+                stats=LoopStats(
+                    graph_steps=runner.graph_steps,
+                    graph_capture_s=runner.capture_s,
+                    graph_reason=NO_GRAPHS.get(model),
+                    loop_reused=kept,
+                    graphs_reused=runner.reused,
+                    prefill=prefill,
+                    prefill_reason=PREFILL_FAILED.get(model),
+                    step=loop.step_kind,
+                    decode_report=report if report is not None else DecodeReport(),
+                ),
             )
         )
     if generation_config.return_dict_in_generate:
@@ -162,12 +165,12 @@ def decode(
     return out
 
 
-def _decode_steps(call: StopAgreement, stops: StopSchedule, loop: _Loop, runner: _Runner) -> int:
+def _decode_steps(call: StopAgreement, stops: StopSchedule, loop: DecodeLoop, runner: GraphRunner) -> int:
     """The steps after the prompt's token, with a stop agreement every ``stops.every`` steps (none
     with ``stops.fixed``), where transformers' loop under lockstep has them; returns the tokens
     decoded (the forwards run, the prompt's included)."""
     budget, every, fixed = stops.budget, stops.every, stops.fixed
-    seen = _Snapshot(loop) if stops.late else None
+    seen = StopSnapshot(loop) if stops.late else None
     tokens = 1  # the prefill chose token 1; before forward k + 1 the loop asks to go on (k = tokens)
     while tokens < budget:
         nxt = budget if fixed else min(budget, (tokens // every + 1) * every)
@@ -181,3 +184,11 @@ def _decode_steps(call: StopAgreement, stops: StopSchedule, loop: _Loop, runner:
         runner.run(nxt - tokens)
         tokens = nxt
     return tokens
+
+
+def ready_cache(model, cache, length: int, span: int = 0) -> None:
+    """``cache`` made ready for a call of ``length`` tokens (bucketed to ``span``), before either
+    loop's prompt forward: a sliding-window layer the call cannot fill is a static layer (before its
+    counter moves), and one it would fill slides as a ring (where the model takes the loop's masks)."""
+    hf_up.sliding_layers_unslid(cache, length)
+    make_rings(model, cache, length, span)

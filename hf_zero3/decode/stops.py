@@ -5,7 +5,7 @@ and agrees nothing on its own."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from .features import DecodeReport
@@ -23,21 +23,31 @@ class StopSchedule:
     joined: bool  # this rank's rows are placeholders: it never keeps the group going
 
 
+@dataclass
+class LoopStats:
+    """What hf_zero3's static loop did in a call: the loop's part of the call's report
+    (:class:`hf_zero3.generation.config.LockstepStats` extends it, so a statistic added here
+    reaches ``hf_zero3_last_generate`` as it is)."""
+
+    graph_steps: int = 0  # decode steps per CUDA-graph launch (0: no CUDA graphs)
+    graph_capture_s: float = 0.0  # host seconds the call spent capturing its CUDA graphs
+    graph_reason: str | None = None  # why the steps were not captured as CUDA graphs (None: they were, or not asked)
+    loop_reused: bool = False  # the static loop's buffers came from an earlier call (see hf_zero3.decode.static_loop)
+    graphs_reused: bool = False  # replayed CUDA graphs an earlier call captured (same parameters, cache, state)
+    prefill: str | None = None  # the static loop's prompt forward: "compiled", "layers" or "eager" (None: not its loop)
+    prefill_reason: str | None = None  # why it ran eagerly (None: compiled, or compile_prefill=False)
+    step: str | None = None  # the static loop's decode steps: "compiled", "layers" or "eager" (None: not its loop)
+    decode_report: DecodeReport = field(default_factory=DecodeReport)  # the parts the static loop computed its way
+
+
 @dataclass(frozen=True)
 class LoopOutcome:
-    """What one call's static loop did, for the call's report (``hf_zero3_last_generate``)."""
+    """How one call's static loop ended, for the call (:meth:`StopAgreement.finish_loop`)."""
 
     forwards: int  # forwards run, the prompt's included (the same on every rank)
     done_at: int | None  # the step this rank's rows were all done at (None: they ran to the end)
     compiled: bool  # False: the step's forward did not compile (the steps ran eagerly, uncaptured)
-    graph_steps: int  # decode steps per CUDA-graph launch (0: no CUDA graphs)
-    capture_s: float = 0.0  # host seconds spent capturing CUDA graphs
-    loop_reused: bool = False  # the static buffers came from an earlier call
-    graphs_reused: bool = False  # replayed CUDA graphs an earlier call captured
-    prefill: str | None = None  # the prompt's forward: "compiled", "layers" or "eager"
-    prefill_reason: str | None = None  # why it ran eagerly (None: compiled, or not asked to compile)
-    step: str | None = None  # the decode steps' forward: "compiled", "layers" or "eager"
-    report: DecodeReport | None = None  # the parts the steps computed their own way
+    stats: LoopStats  # what the loop did, for the call's report
 
 
 class StopAgreement(Protocol):

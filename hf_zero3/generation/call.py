@@ -4,12 +4,14 @@ loop decodes for. :class:`~hf_zero3.generation.lockstep.Zero3GenerationMixin` dr
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import torch.nn as nn
 
 from .. import runtime
 from ..decode import static_loop
-from ..decode.features import DecodeReport
-from ..decode.stops import LoopOutcome, StopAgreement, StopSchedule
+from ..decode.plan import DecodePlan, DecodeRequest, region_reason
+from ..decode.stops import LoopOutcome, LoopStats, StopAgreement, StopSchedule
 from ..errors import RankDivergenceError, RankFailure
 from ..gathering import gathered_forwards, region_facts
 from ..options import DecodeOptions
@@ -33,9 +35,9 @@ class LockstepCall(StopAgreement):
         self.done_at: int | None = None
         self.phase = "validating"  # -> "encoding" (encoder-decoder) -> "decoding" -> "done"
         self.region = None
-        self.compile = False  # compiled decode wanted (the region must still allow it)
+        self.request = DecodeRequest(mode="eager")  # what the call asked that decides its decode path
+        self.plan = DecodePlan("eager")  # the decode path as far as it is known (set_plan)
         self.options: DecodeOptions | None = None  # resolved, where compiled decoding is wanted
-        self.own_loop_only = False  # TRL's disable_compile: the static loop or eager, never transformers' compiled loop
         self.any_compile = False  # some rank of the group wants compiled decoding (agreed at the start)
         self.every, self.late = 1, False  # stop checks: spacing, on the previous check's flags (stop_schedule)
         self._seen_unfinished = True  # a late check's value: what the previous check saw
@@ -57,7 +59,7 @@ class LockstepCall(StopAgreement):
         decoding (then every rank checks its stop late: :func:`stop_schedule`); then the region
         opens without an agreement of its own."""
         facts, need, facts_error = region_facts(self.model, self.cfg.gather)
-        values = [budget, -budget, *facts, int(self.compile)]
+        values = [budget, -budget, *facts, int(self.plan.compiled)]
         hi, neg_lo, *agreed_facts, any_compile = self._agree("generate", values, error=error or facts_error, count=True)
         self.any_compile = bool(any_compile)
         self.phase = "encoding"
@@ -95,7 +97,7 @@ class LockstepCall(StopAgreement):
         self.budget = self.stats.steps_budget = hi
         # the group's schedule, from agreed facts: a rank that decodes eagerly beside compiled ones
         # checks late with them
-        compiled = self.any_compile and compiled_decode.region_allows(self.stats.gather)[0]
+        compiled = self.any_compile and region_reason(self.stats.gather) is None
         self.every, self.late = stop_schedule(self.cfg.sync_every, compiled)
         self.stats.sync_every, self.stats.late_checks = self.every, self.late
         self.phase = "decoding"
@@ -177,6 +179,16 @@ class LockstepCall(StopAgreement):
         (any_unfinished,) = self._agree("generate.step", [1 if unfinished else 0], every=self.every, late=self.late)
         return any_unfinished == 1
 
+    def set_plan(self, plan: DecodePlan) -> None:
+        """The decode path as far as it is known (:func:`hf_zero3.decode.plan.plan`), into the
+        report: its reasons as they are; compiled once the cache transformers prepared allows it."""
+        self.plan = plan
+        self.stats.decode_reason, self.stats.loop_reason = plan.step_reason, plan.loop_reason
+        if plan.compiled and plan.known in ("cache", "loop"):
+            self.stats.decode = "compiled"
+        elif not plan.compiled:
+            self.stats.decode = "eager"
+
     def finish_loop(self, outcome: LoopOutcome) -> None:
         """hf_zero3's static loop ran ``outcome.forwards`` forwards (see :mod:`.static_loop`)."""
         done_at = outcome.done_at
@@ -184,13 +196,8 @@ class LockstepCall(StopAgreement):
             done_at = 0  # a joining rank's rows are placeholders, done from the start
         self._count_forwards(outcome.forwards, done_at)
         self.stats.loop = "hf_zero3"
-        self.stats.graph_steps = outcome.graph_steps
-        self.stats.graph_capture_s = outcome.capture_s
-        self.stats.loop_reused = outcome.loop_reused
-        self.stats.graphs_reused = outcome.graphs_reused
-        self.stats.prefill, self.stats.prefill_reason = outcome.prefill, outcome.prefill_reason
-        self.stats.step = outcome.step
-        self.stats.decode_report = outcome.report if outcome.report is not None else DecodeReport()
+        for f in fields(LoopStats):  # the report extends the loop's stats: each one as it is
+            setattr(self.stats, f.name, getattr(outcome.stats, f.name))
         for why in self.stats.decode_report.fallbacks:  # a fenced function: the model's own code runs
             compiled_decode.say_once(f"the fast decode path keeps the model's own code: {why}", loud=outcome.compiled)
         if not outcome.compiled:

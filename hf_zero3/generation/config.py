@@ -3,13 +3,13 @@ every lockstep entry point takes, and :class:`LockstepStats`, what a call did.""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from ..decode.features import DecodeReport
+from ..decode.plan import DECODE_MODES
+from ..decode.stops import LoopStats
 from ..gathering import GATHER_MODES
 from ..options import DecodeOptions
-from .compiled_decode import DECODE_MODES
 
 STOP_MODES = ("sync", "fixed")
 #: With compiled decoding and ``sync_every=None``: steps between two (late) stop checks, the
@@ -119,8 +119,10 @@ def stop_schedule(sync_every: int | None, compiled: bool) -> tuple[int, bool]:
 
 
 @dataclass
-class LockstepStats:
-    """What the last lockstep ``generate()`` call did on this rank (same on every rank)."""
+class LockstepStats(LoopStats):
+    """What the last lockstep ``generate()`` call did on this rank (same on every rank): the
+    call's own fields, and those of hf_zero3's static loop (:class:`~hf_zero3.decode.stops.LoopStats`,
+    at their defaults where transformers' loop ran)."""
 
     forwards: int = 0  # decode forwards including the prefill
     steps_budget: int = 0  # agreed maximum number of steps
@@ -136,11 +138,3 @@ class LockstepStats:
     compiles: int = 0  # Dynamo graphs compiled during the call (0: the compiled step was reused)
     loop: str = "transformers"  # whose decode loop ran: "transformers" or "hf_zero3" (static buffers)
     loop_reason: str | None = None  # why compiled decoding kept transformers' loop
-    graph_steps: int = 0  # decode steps per CUDA-graph launch (0: no CUDA graphs)
-    graph_capture_s: float = 0.0  # host seconds the call spent capturing its CUDA graphs
-    loop_reused: bool = False  # the static loop's buffers came from an earlier call (see hf_zero3.decode.static_loop)
-    graphs_reused: bool = False  # replayed CUDA graphs an earlier call captured (same parameters, cache, state)
-    prefill: str | None = None  # the static loop's prompt forward: "compiled", "layers" or "eager" (None: not its loop)
-    prefill_reason: str | None = None  # why it ran eagerly (None: compiled, or compile_prefill=False)
-    step: str | None = None  # the static loop's decode steps: "compiled", "layers" or "eager" (None: not its loop)
-    decode_report: DecodeReport = field(default_factory=DecodeReport)  # the parts the static loop computed its way

@@ -30,12 +30,14 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from .. import runtime, zero3
 from .._upstream import deepspeed as ds_up
 from .._upstream import transformers as hf_up
 from .._upstream.versions import require
+from ..decode import plan as decode_plan
 from ..decode import static_loop
 from ..gathering import EvalGatherMixin
 from ..options import DecodeOptions
@@ -81,19 +83,22 @@ class Zero3GenerationMixin:
             _check_group_matches(self, group)
             hf_up.generation_hooks_present()
             _refuse_rank_divergent_options(cfg, args, kwargs)
-            want, why = compiled_decode.resolve(self, cfg.decode, kwargs, trl=rt.trl_trainer)
-            own_only = want and compiled_decode.own_loop_only(self, cfg.decode, kwargs)
+            request = decode_plan.DecodeRequest.of(self, cfg.decode, kwargs, trl=rt.trl_trainer)
+            decided = decode_plan.plan(self, request)
             options = (cfg.decode_options or DecodeOptions()).resolved(rollout=rt.trl_trainer is not None)
-            if want:
+            if decided.compiled:
                 compiled_decode.prepare(self, args, kwargs, cfg.bucket)
+            else:
+                compiled_decode.say_eager(decided.step_reason, loud=compiled_decode.loud_on(self, cfg.decode))
         except Exception as exc:  # shared at the call's first agreement: every rank raises it
-            error, cfg, want, why, options, own_only = exc, LockstepConfig(), False, None, None, False
+            error, cfg, options = exc, LockstepConfig(), None
+            request, decided = decode_plan.DecodeRequest(mode="eager"), decode_plan.DecodePlan("eager")
             group = overrides.get("group")  # None: the model's own group (a model with none raises alike)
         rt.enter()
         try:
             call = rt.loop = LockstepCall(self, rt, cfg, group)
-            call.compile, call.stats.decode_reason, call.options = want, why, options
-            call.own_loop_only = own_only
+            call.request, call.options = request, options
+            call.set_plan(decided)
             graphs = compiled_decode.graph_count()
             try:
                 if error is not None:
@@ -147,21 +152,21 @@ class Zero3GenerationMixin:
         call = _call_of(self)
         if call is None:
             return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
-        ok, why = compiled_decode.region_allows(call.stats.gather)
-        if not call.compile:  # never over ZeRO-3's hooks, even with a StaticCache the user passed
-            if call.cfg.decode == "eager" or not ok or call.own_loop_only:
+        if not call.plan.compiled:  # never over ZeRO-3's hooks, even with a StaticCache the user passed
+            if (
+                call.request.mode == "eager"
+                or call.request.own_loop_only
+                or decode_plan.region_reason(call.stats.gather)
+            ):
                 return False
             return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
-        broken = hf_up.contract_problems() if ok else ()
-        if broken:  # a release that moved what the compiled path reads: never a silent fallback
-            ok, why = False, broken[0]
-        elif ok and not getattr(hf_up.generation_cache(model_kwargs), "is_compileable", False):
-            ok, why = False, "the cache transformers prepared is not compileable"
-        if not ok:
-            call.stats.decode_reason = why
-            compiled_decode.say_eager(why, loud=compiled_decode.loud_on(self, call.cfg.decode))
+        if call.plan.known == "loop":  # transformers' loop asks after _sample decided: compiled
+            return True
+        decided = decode_plan.plan(self, call.request, gather=call.stats.gather, model_kwargs=model_kwargs)
+        call.set_plan(decided)
+        if not decided.compiled:
+            compiled_decode.say_eager(decided.step_reason, loud=compiled_decode.loud_on(self, call.cfg.decode))
             return False
-        call.stats.decode = "compiled"
         return True
 
     def _sample(
@@ -179,29 +184,24 @@ class Zero3GenerationMixin:
         if (
             call is not None
             and call.phase == "decoding"
-            and call.compile
+            and call.plan.compiled
             and self._valid_auto_compile_criteria(model_kwargs, generation_config)
         ):
             length, cache = input_ids.shape[1] + int(call.budget), hf_up.generation_cache(model_kwargs)
-            # a sliding-window layer this call cannot fill is a static layer (before its counter moves)
-            hf_up.sliding_layers_unslid(cache, length)
-            # and one it would fill slides as a ring (where the model takes the loop's masks)
-            static_loop.make_rings(self, cache, length, getattr(generation_config, "max_cache_len", None) or 0)
+            static_loop.ready_cache(self, cache, length, getattr(generation_config, "max_cache_len", None) or 0)
             # either loop's prompt forward would move each static layer's fill count with a host sync
             hf_up.static_cache_counters_on(cache, input_ids.device)
             # DeepCompile's next training forward would reset Dynamo and discard what compiles here:
             # its pending passes launch (and reset) now, before the loop compiles
             ds_up.launch_pending_compile_passes(call.rt.engine)
-            why = static_loop.unsupported(
-                self,
-                logits_processor,
-                stopping_criteria,
-                generation_config,
-                streamer,
-                model_kwargs,
-                length,
+            inputs = decode_plan.LoopInputs(
+                generation_config, model_kwargs, logits_processor, stopping_criteria, streamer, length
             )
-            if why is None:
+            decided = decode_plan.plan(
+                self, call.request, gather=call.stats.gather, model_kwargs=model_kwargs, loop=inputs
+            )
+            call.set_plan(decided)
+            if decided.loop == "hf_zero3":
                 return static_loop.decode(
                     self,
                     call,
@@ -213,16 +213,11 @@ class Zero3GenerationMixin:
                     call.cfg.graph_steps,
                     call.options,
                 )
-            call.stats.loop_reason = why
-            if call.own_loop_only:  # TRL's disable_compile: not transformers' compiled loop
-                call.compile, call.stats.decode = False, "eager"
-                call.stats.decode_reason = (
-                    f"disable_compile=True ({call.rt.trl_trainer}) and not hf_zero3's loop: {why}"
-                )
-                compiled_decode.say_eager(call.stats.decode_reason, loud=compiled_decode.loud_on(self, "auto"))
+            if not decided.compiled:  # TRL's disable_compile: not transformers' compiled loop
+                compiled_decode.say_eager(decided.step_reason, loud=compiled_decode.loud_on(self, "auto"))
             else:
                 compiled_decode.say_once(
-                    f"transformers' compiled loop instead of hf_zero3's static loop: {why}",
+                    f"transformers' compiled loop instead of hf_zero3's static loop: {decided.loop_reason}",
                     loud=compiled_decode.loud_on(self, "auto"),
                 )
                 # its compiled forward would trace DeepSpeed's forward prologue too (see
@@ -254,8 +249,6 @@ def _call_of(model) -> LockstepCall | None:
 
 def _check_group_matches(model, group) -> None:
     """A group that does not contain the parameters' gather group would agree on the wrong ranks."""
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()):
         return
     own_ranks, ranks = zero3.gather_ranks(model), set(zero3.group_ranks(group))

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _triton
+from . import triton_launch
 
 DEFAULT = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
 # the launch configurations the probe and autotuning try (each fits an H100/H200 SM's shared memory)
@@ -60,14 +60,14 @@ _state: dict = {}
 
 
 def is_available() -> bool:
-    return _triton.missing() is None
+    return triton_launch.missing() is None
 
 
 def _kernels():
     """The raw kernels (:func:`_ops` wraps them in autotuning and ``torch.library`` ops), imported
     on first use: importing Triton is not free, and its interpreter switch is read then."""
     if "kernels" not in _state:
-        from . import _decode_gemm_triton as k
+        from . import decode_gemm_triton as k  # optional: triton (the kernels import it)
 
         _state["kernels"] = (k.linear_kernel, k.gate_up_kernel, k.linear_split_kernel)
     return _state["kernels"]
@@ -87,7 +87,7 @@ def _call(
     program per ``BLOCK_N`` output columns, ``meta`` the launch configuration (empty: the
     autotuner's); ``dependent``: a programmatic dependent launch's arguments (:func:`_dependent`),
     launched by Triton itself (``torch.library.wrap_triton`` takes no launch attributes)."""
-    import triton
+    import triton  # optional: triton
 
     m, k = x.shape
     n = weights[0].shape[0]
@@ -96,7 +96,7 @@ def _call(
     even = meta.pop("EVEN", None)  # given: the probe's masked tiles on a shape the blocks divide
     even = _even(n, k, [meta] if meta else CONFIGS) if even is None else even
     grid = (triton.cdiv(n, meta["BLOCK_N"]),) if meta else (lambda cfg: (triton.cdiv(n, cfg["BLOCK_N"]),))
-    (kernel if dependent else _triton.launcher(kernel))[grid](
+    (kernel if dependent else triton_launch.launcher(kernel))[grid](
         x,
         *weights,
         out,
@@ -131,7 +131,7 @@ def _call_split(
 ) -> torch.Tensor:
     """Launch the split-K ``kernel``: one program per ``BLOCK_N`` output columns and reduction
     slice; float32 partials ``[split, rows, N]`` (``dependent``: as :func:`_call`'s)."""
-    import triton
+    import triton  # optional: triton
 
     m, k = x.shape
     n = weight.shape[0]
@@ -143,7 +143,7 @@ def _call_split(
         even = k % split == 0 and _even(
             n, k // split, [meta] if meta else [c for c in SPLIT_CONFIGS if (k // split) % c["BLOCK_K"] == 0]
         )
-    (kernel if dependent else _triton.launcher(kernel))[grid](
+    (kernel if dependent else triton_launch.launcher(kernel))[grid](
         x,
         weight,
         out,
@@ -199,7 +199,7 @@ def load():
     trace. None when Triton is missing or the build fails (``_state["error"]`` says why)."""
     if "ops" in _state or "error" in _state:
         return _state.get("ops")
-    reason = _triton.missing()
+    reason = triton_launch.missing()
     if reason is not None:
         _state["error"] = reason
         return None
@@ -214,10 +214,10 @@ def dependent_unavailable(device) -> str | None:
     """Why the GEMMs cannot be launched as programmatic dependent launches on ``device`` (None: they
     can): they need an NVIDIA GPU of compute capability 9.0 or newer (Hopper) and a Triton with
     grid dependency control (``tl.extra.cuda.gdc_wait``, Triton >= 3.4), outside its interpreter."""
-    reason = _triton.missing()
+    reason = triton_launch.missing()
     if reason is not None:
         return reason
-    if _triton.interpreted():
+    if triton_launch.interpreted():
         return "Triton's interpreter runs the kernels (TRITON_INTERPRET=1)"
     device = torch.device(device)
     if device.type != "cuda" or torch.version.hip:
@@ -226,11 +226,11 @@ def dependent_unavailable(device) -> str | None:
     if major < 9:
         return f"programmatic dependent launch needs compute capability 9.0 or newer, this GPU has {major}.x"
     try:
-        import triton.language.extra.cuda as tl_cuda
+        import triton.language.extra.cuda as tl_cuda  # optional: triton
     except ImportError as exc:
         return f"Triton has no CUDA language extras: {exc}"
     if not hasattr(tl_cuda, "gdc_wait"):
-        import triton
+        import triton  # optional: triton
 
         return f"Triton {triton.__version__} has no grid dependency control (tl.extra.cuda.gdc_wait, Triton >= 3.4)"
     return None
@@ -276,10 +276,10 @@ def _dependent_ops():
 
 
 def _ops():
-    import triton
+    import triton  # optional: triton
 
     linear_kernel, gate_up_kernel, split_kernel = _kernels()
-    if _triton.interpreted():
+    if triton_launch.interpreted():
         tuned_linear, tuned_gate_up, tuned_split, fixed = linear_kernel, gate_up_kernel, split_kernel, DEFAULT
         fixed_split = dict(DEFAULT, BLOCK_K=64)
     else:
@@ -289,10 +289,10 @@ def _ops():
             )
             for c in CONFIGS
         ]
-        tuned_linear = _triton.autotune(linear_kernel, configs, ["M", "N", "K"])
-        tuned_gate_up = _triton.autotune(gate_up_kernel, configs, ["M", "N", "K"])
+        tuned_linear = triton_launch.autotune(linear_kernel, configs, ["M", "N", "K"])
+        tuned_gate_up = triton_launch.autotune(gate_up_kernel, configs, ["M", "N", "K"])
         split_configs = {(c["BLOCK_N"], c["BLOCK_K"], c["num_stages"], c["num_warps"]) for c in SPLIT_CONFIGS}
-        tuned_split = _triton.autotune(
+        tuned_split = triton_launch.autotune(
             split_kernel,
             [
                 triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_stages=st, num_warps=w)

@@ -17,7 +17,7 @@ cache's fill count, the new token's own score from registers, the positions befo
 cache): the decode steps of Llama attention modules take it where the kernel attends
 (:mod:`hf_zero3.decode.gqa_attention`), instead of four small kernels per layer beside it.
 
-Loaded lazily (the kernels, in :mod:`._gqa_decode_triton`, import Triton): :func:`is_available` is
+Loaded lazily (the kernels, in :mod:`.gqa_decode_triton`, import Triton): :func:`is_available` is
 False without Triton or without ``torch.library.triton_op`` (torch < 2.6); the caller then keeps
 the PyTorch form. Registered as the custom ops
 ``hf_zero3::gqa_decode_attention`` and ``hf_zero3::gqa_decode_rope_attention`` (which mutates the
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _triton
+from . import triton_launch
 
 NAME = "hf_zero3_gqa_decode_triton"
 BLOCK_S = 64  # cache positions per block
@@ -43,7 +43,7 @@ _state: dict = {}
 
 def unavailable_reason() -> str | None:
     """Why the kernel cannot run here (None: it can)."""
-    return _state.get("error") or _triton.missing()
+    return _state.get("error") or triton_launch.missing()
 
 
 def is_available() -> bool:
@@ -89,7 +89,7 @@ def load():
         reason = unavailable_reason()
         if reason is None:
             try:
-                _state["interpret"] = _triton.interpreted()
+                _state["interpret"] = triton_launch.interpreted()
                 _state["op"] = _build()
                 if torch.cuda.is_available() and not _state["interpret"]:
                     _state["min_programs"] = torch.cuda.get_device_properties(
@@ -104,26 +104,26 @@ def load():
 
 def _build():
     """Register the ops over the kernels, imported here (they need Triton, which may be missing)."""
-    from . import _gqa_decode_triton as k
+    from . import gqa_decode_triton as k  # optional: triton (the kernels import it)
 
     # the raw kernels, as the ahead-of-time compile test takes them
     _state["jit"] = {"attention": k.attention_kernel, "rope": k.rope_attention_kernel}
-    _state["launch"] = {name: _triton.launcher(kernel) for name, kernel in _state["jit"].items()}
-    rope = _triton.op("hf_zero3::gqa_decode_rope_attention", ("key_cache", "value_cache"), _rope_out)
+    _state["launch"] = {name: triton_launch.launcher(kernel) for name, kernel in _state["jit"].items()}
+    rope = triton_launch.op("hf_zero3::gqa_decode_rope_attention", ("key_cache", "value_cache"), _rope_out)
     _state["rope_op"], _state["rope_run"] = rope(_rope_body(_plain)), _rope_run  # rope_run: the probe's launch settings
-    if not _triton.interpreted():
+    if not triton_launch.interpreted():
         dependent = torch.library.custom_op(
             "hf_zero3::gqa_decode_rope_attention_dependent", mutates_args=("key_cache", "value_cache")
         )(_rope_body(_dependent))
         dependent.register_fake(_rope_out)
         _state["rope_dependent_op"] = dependent
-    return _triton.op("hf_zero3::gqa_decode_attention", (), _out_like)(_attention)
+    return triton_launch.op("hf_zero3::gqa_decode_attention", (), _out_like)(_attention)
 
 
 def _meta(heads: int, dtype, key_heads: int, d: int, dv: int, launch: dict) -> dict:
     """Both kernels' constexprs and launch settings: a program holds a whole group of query heads,
     tiles of at least 16 (what ``tl.dot`` takes), ``launch`` over :data:`LAUNCH`."""
-    import triton
+    import triton  # optional: triton
 
     group = heads // key_heads
     return dict(

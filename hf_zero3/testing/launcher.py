@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import fcntl
 import multiprocessing
 import os
 import pickle
@@ -27,10 +28,16 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hf_zero3._upstream.torch import inductor_compile_module
 
 _STATE_FILE: str | None = None
 
@@ -208,11 +215,6 @@ def _compile_one_rank_at_a_time(lock_path: str) -> None:
     the next finds it there instead of compiling it again at the same moment. Compiling runs no
     collective, so a rank waiting for the lock holds up no other rank's collective; the lock is the
     run's own, so two runs side by side still compile at once."""
-    import fcntl
-    import threading
-
-    from hf_zero3._upstream.torch import inductor_compile_module
-
     module = inductor_compile_module()
     inner, depth = module.compile_fx, threading.local()
 
@@ -261,24 +263,18 @@ def _rank_main(fn, rank, world_size, port, workdir, args, kwargs, pg_timeout, ba
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
         # One intra-op thread per rank unless asked otherwise, as torchrun sets OMP_NUM_THREADS=1
         # for several processes on one host: ranks sharing the cores must not oversubscribe them.
-        import torch
-
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 1))
         _compile_one_rank_at_a_time(os.path.join(workdir, "compile.lock"))
     if backend == "nccl":
-        import torch
-
         torch.cuda.set_device(rank % torch.cuda.device_count())
     result_path = os.path.join(workdir, f"rank{rank}.result")
     try:
         mark("init_process_group")
         timeout = datetime.timedelta(seconds=pg_timeout)
         if init == "torch":
-            import torch.distributed as dist
-
             dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
         elif init == "deepspeed":
-            import deepspeed
+            import deepspeed  # after the rank environment above: DeepSpeed picks its accelerator on import
 
             deepspeed.init_distributed(dist_backend=backend, timeout=timeout, verbose=False)
         mark("running")

@@ -14,8 +14,12 @@ import contextlib
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import transformers
+from transformers import PreTrainedTokenizerFast, T5Config
+from transformers.integrations import HfDeepSpeedConfig
 
-from .._upstream.transformers import causal_lm_class
+from .._upstream.transformers import causal_lm_class, hf_deepspeed_config_ref, set_hf_deepspeed_config_ref
 
 # transformers forgets an HfDeepSpeedConfig that nothing references; keep ours alive.
 _LIVE_DS_CONFIGS: list[Any] = []
@@ -49,8 +53,6 @@ _QWEN2_0_5B = _shape(
 
 
 def _config(cls_name: str, shape: dict, overrides: dict):
-    import transformers
-
     return getattr(transformers, cls_name)(**{**shape, **overrides})
 
 
@@ -200,8 +202,6 @@ def qwen3_5_shape_config(**overrides):
 
 def tiny_t5_config(**overrides):
     """A T5 with 2 encoder and 2 decoder layers, d_model 32, 4 heads, vocab 96: the tests' encoder-decoder."""
-    from transformers import T5Config
-
     kw = dict(
         vocab_size=96,
         d_model=32,
@@ -233,10 +233,9 @@ def tiny_tokenizer():
     for tool calls and finds the template prefix-preserving. The tool-call markup tokens are plain
     added tokens, as in Qwen2.5's vocabulary.
     """
-    from tokenizers import Tokenizer, decoders, pre_tokenizers
-    from tokenizers.models import BPE
-    from transformers import PreTrainedTokenizerFast
-    from trl.chat_template_utils import qwen2_5_chat_template
+    from tokenizers import Tokenizer, decoders, pre_tokenizers  # optional: tokenizers
+    from tokenizers.models import BPE  # optional: tokenizers
+    from trl.chat_template_utils import qwen2_5_chat_template  # optional: trl
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {tok: i for i, tok in enumerate(_SPECIAL + _MARKUP + alphabet)}
@@ -256,8 +255,6 @@ def tiny_tokenizer():
 
 def model_class_for(config):
     """The generation model class for a tiny config (imported before any ``zero.Init``)."""
-    import transformers
-
     if config.model_type == "t5":
         return transformers.T5ForConditionalGeneration
     return causal_lm_class(config)
@@ -265,8 +262,6 @@ def model_class_for(config):
 
 def zero3_model(config, ds_config: dict, *, seed: int = 0, dtype: torch.dtype = torch.float32):
     """Build ``config``'s model with ZeRO-3 partitioning applied at construction."""
-    from transformers.integrations import HfDeepSpeedConfig
-
     cls = model_class_for(config)  # import model classes before zero.Init wraps __init__
     ensure_deepspeed_comm()
     _LIVE_DS_CONFIGS.append(HfDeepSpeedConfig(ds_config))
@@ -278,8 +273,7 @@ def zero3_model(config, ds_config: dict, *, seed: int = 0, dtype: torch.dtype = 
 
 def ensure_deepspeed_comm() -> None:
     """DeepSpeed reads the world size from its own comm layer; wrap an existing torch group."""
-    import deepspeed
-    import torch.distributed as dist
+    import deepspeed  # not at import: hf_zero3.testing loads before run_ranks sets a rank's DS_ACCELERATOR
 
     if dist.is_initialized() and not deepspeed.comm.is_initialized():
         deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
@@ -300,7 +294,7 @@ def unsharded_copy(model):
 
     Collective: every rank of the model's group must call it.
     """
-    import deepspeed
+    import deepspeed  # not at import: hf_zero3.testing loads before run_ranks sets a rank's DS_ACCELERATOR
 
     params = list(model.parameters())
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
@@ -321,8 +315,6 @@ def unsharded_copy(model):
 @contextlib.contextmanager
 def _without_hf_deepspeed_config():
     """Build a plain model while a ZeRO-3 ``HfDeepSpeedConfig`` is live in this process."""
-    from hf_zero3._upstream.transformers import hf_deepspeed_config_ref, set_hf_deepspeed_config_ref
-
     saved = hf_deepspeed_config_ref()
     set_hf_deepspeed_config_ref(None)
     try:

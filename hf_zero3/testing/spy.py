@@ -6,6 +6,9 @@ from __future__ import annotations
 import functools
 from collections import Counter
 
+import torch
+import torch.distributed as dist
+
 _OPS = (
     "all_reduce",
     "all_gather",
@@ -30,8 +33,6 @@ class CollectiveSpy:
         self._saved = {}
 
     def __enter__(self):
-        import torch.distributed as dist
-
         for name in _OPS:
             fn = getattr(dist, name, None)
             if fn is None:
@@ -41,15 +42,11 @@ class CollectiveSpy:
         return self
 
     def __exit__(self, *exc):
-        import torch.distributed as dist
-
         for name, fn in self._saved.items():
             setattr(dist, name, fn)
         self._saved.clear()
 
     def _wrap(self, name, fn):
-        import torch.distributed as dist
-
         @functools.wraps(fn)
         def spy(*args, **kwargs):
             group = kwargs.get("group")
@@ -66,8 +63,6 @@ class CollectiveSpy:
         return sum(n for (op, g), n in self.calls.items() if group is None or g == group)
 
     def world_calls(self) -> int:
-        import torch.distributed as dist
-
         full = tuple(range(dist.get_world_size()))
         return sum(n for (op, g), n in self.calls.items() if g == "WORLD" or g == full)
 
@@ -78,8 +73,6 @@ class ForwardCounter:
     graph count as an eager one does. ``remove()`` takes the hook off."""
 
     def __init__(self, module):
-        import torch
-
         self.n = torch.zeros((), dtype=torch.long, device=next(module.parameters()).device)
         self.handle = module.register_forward_pre_hook(self._hook)
 

@@ -20,7 +20,7 @@ CHAT_PROMPTS = (
 def chat_prompts(n: int = len(CHAT_PROMPTS)):
     """A ``datasets.Dataset`` whose ``prompt`` column holds the first ``n`` prompts as one-turn
     conversations (TRL's conversational format)."""
-    from datasets import Dataset
+    from datasets import Dataset  # optional: datasets
 
     return Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in CHAT_PROMPTS[:n]]})
 

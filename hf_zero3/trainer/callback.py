@@ -28,14 +28,19 @@ import weakref
 from transformers import TrainerCallback
 
 from .. import zero3
+from .._upstream import deepspeed as ds_up
 from .._upstream import transformers_trainer as trainer_up
 from .._upstream import trl as trl_up
 from .._upstream.versions import check_versions
+from ..accelerate import enable_memory_plan
+from ..accelerate.plugin import wants_memory_plan
+from ..compile.config import SECTION
 from ..errors import Zero3Error
 from ..gathering import close_eval_region
 from ..generation.config import LockstepConfig, lockstep_config
 from ..generation.lockstep import base_module, is_generation_model, lockstep_class
 from ..runtime import runtime_of
+from . import trl_adapter
 
 log = logging.getLogger("hf_zero3.trainer")
 
@@ -90,10 +95,8 @@ class Zero3Safe(TrainerCallback):
             return
         self.bind(trainer, model)
         if self.trl and trl_up.is_trl_trainer(trainer):
-            from ..trl import adapter
-
-            if adapter.runs_zero3(trainer):
-                adapter.adapt(trainer)
+            if trl_adapter.runs_zero3(trainer):
+                trl_adapter.adapt(trainer)
 
     def bind(self, trainer, model=None) -> None:
         """Serve ``trainer`` (done by ``on_init_end``; :func:`hf_zero3.trl.apply` calls it for a
@@ -111,9 +114,7 @@ class Zero3Safe(TrainerCallback):
         self._check_compiled()
         trainer = self.trainer
         if trainer is not None and getattr(trainer, "_hf_zero3_trl_adapted", False):
-            from ..trl.adapter import before_training
-
-            before_training(trainer)
+            trl_adapter.before_training(trainer)
 
     def _install(self, model) -> None:
         """Lockstep generation on generation models; eval regions on every model (local)."""
@@ -143,13 +144,8 @@ class Zero3Safe(TrainerCallback):
         """Install the memory plan's accelerate/DeepSpeed wrappers only for a DeepCompile ZeRO-3 run."""
         if not self.memory_plan:
             return
-        from ..accelerate.plugin import wants_memory_plan
-        from ..compile.config import SECTION
-
         config = trainer_up.trainer_deepspeed_config(trainer) or {}
         if wants_memory_plan(config) or SECTION[0] in config:  # the plan, or our section's "auto"s to resolve
-            from ..accelerate import enable_memory_plan
-
             enable_memory_plan()
 
     def _wrap_eval_entry_points(self, trainer) -> None:
@@ -208,8 +204,6 @@ class Zero3Safe(TrainerCallback):
         engine = trainer_up.trainer_engine(trainer) if trainer is not None else None
         if engine is None or self._warned_uncompiled:
             return
-        from .._upstream import deepspeed as ds_up
-
         if ds_up.deepcompile_enabled(engine) and not ds_up.deepcompile_active(engine):
             self._warned_uncompiled = True
             warnings.warn(

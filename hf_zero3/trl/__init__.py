@@ -5,13 +5,17 @@
 * :func:`early_stop`: DeepSpeed's ``HybridEngineRollout`` with EOS restored and the group's
   synchronized early stop.
 * under DeepCompile, TRL's fused LM head is swapped for a traceable logits head when training
-  begins (:mod:`hf_zero3.trl.fused_head`; done by ``Zero3Safe`` / :func:`apply`).
+  begins (:mod:`hf_zero3.trainer.trl_fused_head`; done by ``Zero3Safe`` / :func:`apply`).
+
+The adapters live beside ``Zero3Safe`` (:mod:`hf_zero3.trainer.trl_adapter`), which applies them;
+:func:`apply` is the entry above both, for a trainer that already exists.
 """
 
-from .adapter import adapt, runs_zero3
+from ..trainer.callback import Zero3Safe
+from ..trainer.trl_adapter import DEEPCOMPILE_PAD_TO_MULTIPLE_OF, adapt, runs_zero3
 from .rollout import early_stop
 
-__all__ = ["apply", "early_stop"]
+__all__ = ["DEEPCOMPILE_PAD_TO_MULTIPLE_OF", "apply", "early_stop"]
 
 
 def apply(trainer, zero3safe=None) -> list[str]:
@@ -26,8 +30,6 @@ def apply(trainer, zero3safe=None) -> list[str]:
     if not runs_zero3(trainer):
         return []
     if zero3safe is None:
-        from ..trainer.callback import Zero3Safe  # the entry point above the adapter it applies
-
         zero3safe = Zero3Safe(trl=False)
         zero3safe.bind(trainer, trainer.model)
         trainer.add_callback(zero3safe)

@@ -19,7 +19,7 @@ def main():
     except ImportError as exc:
         print(json.dumps({"skip": f"Triton's NVIDIA backend is not importable here: {exc}"}))
         return
-    from hf_zero3.kernels import _decode_gemm_triton as gemm
+    from hf_zero3.kernels import decode_gemm_triton as gemm
     from hf_zero3.kernels import gqa_decode
 
     assert gqa_decode.load() is not None, gqa_decode.unavailable_reason()

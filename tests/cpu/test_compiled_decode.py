@@ -200,18 +200,24 @@ def test_auto_is_the_default_and_takes_trl_rollouts_despite_disable_compile():
     from transformers import LlamaForCausalLM
 
     import hf_zero3
-    from hf_zero3.generation import compiled_decode
+    from hf_zero3.decode.plan import DecodeRequest, plan
     from hf_zero3.generation.lockstep import LockstepConfig
     from hf_zero3.testing import models
 
     assert LockstepConfig().decode == "auto" and hf_zero3.Zero3Safe().lockstep.decode == "auto"
     model = LlamaForCausalLM(models.tiny_llama_config())
     kw = dict(max_new_tokens=4, disable_compile=True)
-    want, why = compiled_decode.resolve(model, "auto", kw)
-    assert not want and "disable_compile" in why and "decode='compiled' overrides it" in why
-    want, why = compiled_decode.resolve(model, "auto", kw, trl="GRPOTrainer")
-    assert not want and "CUDA only" in why  # not disable_compile: this machine's model is on CPU
-    assert compiled_decode.own_loop_only(model, "auto", kw) and not compiled_decode.own_loop_only(model, "compiled", kw)
-    assert compiled_decode.resolve(model, "compiled", kw) == (True, None)
-    want, why = compiled_decode.resolve(model, "auto", dict(max_new_tokens=4))
-    assert not want and "CUDA only" in why
+
+    def step(mode, kwargs, trl=None):
+        return plan(model, DecodeRequest.of(model, mode, kwargs, trl=trl))
+
+    decided = step("auto", kw)
+    assert not decided.compiled and "disable_compile" in decided.step_reason
+    assert "decode='compiled' overrides it" in decided.step_reason
+    decided = step("auto", kw, trl="GRPOTrainer")
+    assert not decided.compiled and "CUDA only" in decided.step_reason  # this machine's model is on CPU
+    auto, compiled = DecodeRequest.of(model, "auto", kw), DecodeRequest.of(model, "compiled", kw)
+    assert auto.own_loop_only and not compiled.own_loop_only
+    assert step("compiled", kw).compiled and step("compiled", kw).step_reason is None
+    decided = step("auto", dict(max_new_tokens=4))
+    assert not decided.compiled and "CUDA only" in decided.step_reason

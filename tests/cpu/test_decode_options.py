@@ -69,14 +69,14 @@ def test_the_three_way_settings():
 
 
 def test_the_native_gate_variable_takes_the_same_grammar(monkeypatch):
-    from hf_zero3 import _ext
+    from hf_zero3 import native_gate
 
     for raw, expected in (("", "auto"), ("auto", "auto"), ("cpu", "cpu"), ("0", "off"), ("no", "off"), ("on", "auto")):
         monkeypatch.setenv("HF_ZERO3_NATIVE", raw)
-        assert _ext._want() == expected, raw
+        assert native_gate._want() == expected, raw
     monkeypatch.setenv("HF_ZERO3_NATIVE", "gpu")
     with pytest.raises(ValueError, match="HF_ZERO3_NATIVE='gpu'"):
-        _ext._want()
+        native_gate._want()
 
 
 def test_bad_explicit_values_raise_at_construction():

@@ -350,14 +350,13 @@ def test_every_package_exception_is_a_heading():
 
 #: (file, functions) whose returned / assigned reason strings users see in hf_zero3_last_generate
 REASON_SOURCES = (
-    ("generation/compiled_decode.py", ("resolve", "region_allows")),
+    ("decode/plan.py", ("_step_reason", "region_reason", "plan")),
     ("decode/eligibility.py", ("unsupported",)),
     ("decode/loop.py", ("step",)),
-    ("decode/prefill.py", ("_prefill",)),
+    ("decode/prefill.py", ("run_prefill",)),
     ("decode/logits_processors.py", ("unsupported",)),
-    ("generation/lockstep.py", ("_valid_auto_compile_criteria",)),
 )
-_REASON_TARGETS = {"reason", "why"}
+_REASON_TARGETS = {"reason", "why", "step_why"}
 
 
 def _strings(node) -> list[ast.AST]:

@@ -13,7 +13,8 @@ from hf_zero3.testing import mark, run_ranks
 WINDOW = 4  # the sliding models' window: 8x shorter than prompt + completion (8 + 24 tokens)
 PROMPT, NEW = 8, 24
 FAMILIES = {
-    "qwen3_moe": ("tiny_qwen3_moe_config", {}),
+    # router logits on, as TRL's GRPO sets them for its auxiliary loss: the loop's steps ask for none
+    "qwen3_moe": ("tiny_qwen3_moe_config", {"output_router_logits": True}),
     "mixtral": ("tiny_mixtral_config", {}),
     "phi3": ("tiny_phi3_config", {}),
     "qwen3_5": ("tiny_qwen3_5_config", {}),
@@ -36,6 +37,7 @@ def _family_rank(names):
 
     import hf_zero3
     from hf_zero3.decode import static_loop
+    from hf_zero3.decode.compiled import forward_kwargs
 
     rank = dist.get_rank()
     out = {}
@@ -43,6 +45,9 @@ def _family_rank(names):
         config, overrides = FAMILIES[name]
         mark(f"{name}: build")
         engine, ref = build_engine(config, hf_aware=False, **overrides)
+        # transformers' own generate cannot decode a padded batch with router logits on (its
+        # load-balancing loss meets the whole mask with one token's routing): its tokens without them
+        ref.config.output_router_logits = False
         torch.manual_seed(rank)
         ids = torch.randint(3, 90, (3, PROMPT))
         mask = torch.ones_like(ids)
@@ -73,6 +78,7 @@ def _family_rank(names):
             ring_layers=r.ring_layers,
             linear_attention_layers=r.linear_attention_layers,
             ended=[int((row[PROMPT:] == eos).any()) for row in reference],
+            router_logits=forward_kwargs(engine.module).get("output_router_logits"),
         )
         if name == "qwen3_5":  # the prompt forward asked compiled: eager for linear-attention layers, and why
             with torch.no_grad():
@@ -120,3 +126,4 @@ def test_the_report_says_what_each_family_ran(family_results):
         assert q["linear_attention_layers"] == 3 and q["again"] == q["reference"], q
         assert q["prefill"] == "eager" and "linear-attention layers" in q["prefill_reason"], q
         assert r["phi3"]["experts"] is None and r["phi3"]["ring_layers"] == 0
+        assert r["qwen3_moe"]["router_logits"] is False and r["mixtral"]["router_logits"] is False

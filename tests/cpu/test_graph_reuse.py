@@ -40,10 +40,10 @@ def parts():
 
 
 def test_graphs_are_kept_only_while_the_cache_tensors_are_those_captured(parts):
-    from hf_zero3.decode.loop import _Loop
+    from hf_zero3.decode.loop import DecodeLoop
 
     model, cache, ids, _ = parts
-    loop = _Loop(2, 16, ids.device, None, False)
+    loop = DecodeLoop(2, 16, ids.device, None, False)
     loop.cache = cache
     loop.bind_cache()
     loop.graphs[1] = "captured"
@@ -76,7 +76,7 @@ def test_the_key_follows_parameters_state_hooks_and_processors(parts):
     from hf_zero3.decode import loop_cache as gd
 
     model, cache, ids, cfg = parts
-    attention = gqa_attention.choice(model, ids.device, ids.shape[0])  # as _loop_for passes it
+    attention = gqa_attention.choice(model, ids.device, ids.shape[0])  # as loop_for passes it
     options = DecodeOptions().resolved({})
     procs = [TemperatureLogitsWarper(0.7)]
     key = gd._loop_key(model, ids, procs, cfg, None, cache, attention, options)
@@ -114,22 +114,22 @@ def test_the_key_follows_parameters_state_hooks_and_processors(parts):
 
 def test_loops_are_kept_per_shape_replaced_when_stale_and_released(parts):
     from hf_zero3.decode import loop_cache as gd
-    from hf_zero3.decode.caches import _LOOPS
+    from hf_zero3.decode.caches import LOOPS
     from hf_zero3.generation import release_decode_graphs
 
     model, cache, ids, cfg = parts
-    first, kept = gd._loop_for(model, ids, [], cfg, None, None, cache, DEFAULTS)
-    again, kept_again = gd._loop_for(model, ids, [], cfg, None, None, cache, DEFAULTS)
+    first, kept = gd.loop_for(model, ids, [], cfg, None, None, cache, DEFAULTS)
+    again, kept_again = gd.loop_for(model, ids, [], cfg, None, None, cache, DEFAULTS)
     assert not kept and kept_again and again is first
     model.train()  # a state the compiled forward guards on: a new loop replaces the stale one
-    other, kept = gd._loop_for(model, ids, [], cfg, None, None, cache, DEFAULTS)
-    assert not kept and other is not first and len(_LOOPS[model]) == 1
+    other, kept = gd.loop_for(model, ids, [], cfg, None, None, cache, DEFAULTS)
+    assert not kept and other is not first and len(LOOPS[model]) == 1
     model.eval()
     for batch in (3, 4, 5):  # other batch sizes: at most KEEP shapes per model
-        gd._loop_for(model, ids[:1].expand(batch, -1), [], cfg, None, None, cache, DEFAULTS)
-    assert len(_LOOPS[model]) == gd.KEEP
+        gd.loop_for(model, ids[:1].expand(batch, -1), [], cfg, None, None, cache, DEFAULTS)
+    assert len(LOOPS[model]) == gd.KEEP
     release_decode_graphs(model)
-    assert model not in _LOOPS
+    assert model not in LOOPS
 
 
 def test_a_4d_attention_mask_keeps_transformers_loop(parts):
@@ -157,16 +157,16 @@ def test_dependent_launches_fall_back_quietly_by_default_and_say_why_when_asked(
     features._PDL_REFUSED.clear()
     with caplog.at_level("WARNING", logger="hf_zero3.generation"):
         assert features.dependent_launches("cpu") is False
-        default, _ = gd._loop_for(model, ids, [], cfg, None, None, cache, DEFAULTS)
+        default, _ = gd.loop_for(model, ids, [], cfg, None, None, cache, DEFAULTS)
         assert default.dependent is False
         assert not [r for r in caplog.records if "dependent launches" in r.getMessage()]
         assert features.dependent_launches("cpu", "on") is False and features.dependent_launches("cpu", "on") is False
     said = [r.getMessage() for r in caplog.records if "dependent launches" in r.getMessage()]
     assert len(said) == 1 and why in said[0], said
     assert _part(default, features.RopeAttention).qkv is None  # the q/k/v partials ride on dependent launches
-    off, kept = gd._loop_for(model, ids, [], cfg, None, None, cache, _with(dependent_launches="off"))
+    off, kept = gd.loop_for(model, ids, [], cfg, None, None, cache, _with(dependent_launches="off"))
     assert not kept and off is not default and off.dependent is False
-    qkv_off, kept = gd._loop_for(model, ids, [], cfg, None, None, cache, _with(triton_qkv=False))
+    qkv_off, kept = gd.loop_for(model, ids, [], cfg, None, None, cache, _with(triton_qkv=False))
     assert not kept and qkv_off is not off
     release_decode_graphs(model)
 
@@ -178,12 +178,12 @@ def test_each_option_builds_its_own_loop_and_turns_its_part_off(parts):
     from hf_zero3.generation import release_decode_graphs
 
     model, cache, ids, cfg = parts
-    default, _ = gd._loop_for(model, ids, [], cfg, None, None, cache, DEFAULTS)
+    default, _ = gd.loop_for(model, ids, [], cfg, None, None, cache, DEFAULTS)
     assert _part(default, features.FusedQKV).fused.names  # the tiny Llama's q/k/v fuse by default
-    unfused, kept = gd._loop_for(model, ids, [], cfg, None, None, cache, _with(fuse_qkv=False))
+    unfused, kept = gd.loop_for(model, ids, [], cfg, None, None, cache, _with(fuse_qkv=False))
     assert not kept and unfused is not default and _part(unfused, features.FusedQKV).fused.names == ()
     for change in (dict(triton_mlp=False), dict(fuse_rope=False), dict(compile_prefill=False)):
-        loop, kept = gd._loop_for(model, ids, [], cfg, None, None, cache, _with(**change))
+        loop, kept = gd.loop_for(model, ids, [], cfg, None, None, cache, _with(**change))
         mlp, rope = _part(loop, features.MLPKernels), _part(loop, features.RopeAttention)
         assert not kept and mlp.names == () and rope.names == (), change  # CPU: neither part applies
     release_decode_graphs(model)
@@ -196,7 +196,7 @@ def test_a_compiled_prompt_forward_that_fails_as_it_runs_is_run_eagerly_on_an_em
     from transformers import StaticCache
 
     from hf_zero3.decode import caches, compiled
-    from hf_zero3.decode.prefill import _prefill
+    from hf_zero3.decode.prefill import run_prefill
     from hf_zero3.testing import models
 
     model = models.plain_model(models.tiny_llama_config()).eval()
@@ -205,18 +205,18 @@ def test_a_compiled_prompt_forward_that_fails_as_it_runs_is_run_eagerly_on_an_em
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
     ref_cache = StaticCache(config=model.config, max_cache_len=16)
     with torch.no_grad():
-        ref, how = _prefill(model, ids, mask, positions, ref_cache, compile=False)
+        ref, how = run_prefill(model, ids, mask, positions, ref_cache, compile=False)
     assert how == "eager"
 
     def fails_as_it_runs(model, **kwargs):
         model(**kwargs)  # every layer written, as a compiled forward failing at its end would have
         raise TypeError("expected Tensor() for op: torch.ops.aten._scaled_dot_product_cudnn_attention.default")
 
-    monkeypatch.setitem(caches._ONCE, compiled._prompt_logits, fails_as_it_runs)
+    monkeypatch.setitem(caches.ONCE, compiled.prompt_logits, fails_as_it_runs)
     cache = StaticCache(config=model.config, max_cache_len=16)
     with torch.no_grad():
-        logits, how = _prefill(model, ids, mask, positions, cache)
-    assert how == "eager" and "failed as it ran (TypeError" in caches._PREFILL_FAILED[model]
+        logits, how = run_prefill(model, ids, mask, positions, cache)
+    assert how == "eager" and "failed as it ran (TypeError" in caches.PREFILL_FAILED[model]
     torch.testing.assert_close(logits, ref)
     for layer, expected in zip(cache.layers, ref_cache.layers):
         assert int(layer.cumulative_length) == int(expected.cumulative_length) == ids.shape[1]
@@ -224,4 +224,4 @@ def test_a_compiled_prompt_forward_that_fails_as_it_runs_is_run_eagerly_on_an_em
         torch.testing.assert_close(layer.values, expected.values)
     later = StaticCache(config=model.config, max_cache_len=16)
     with torch.no_grad():  # the model's later calls go straight to the eager prompt forward
-        assert _prefill(model, ids, mask, positions, later)[1] == "eager"
+        assert run_prefill(model, ids, mask, positions, later)[1] == "eager"

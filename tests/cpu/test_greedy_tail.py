@@ -44,8 +44,8 @@ def test_compiled_tail_matches_the_eager_tail():
     x = _logits(5, 32000)
     for eos in (None, torch.tensor([int(torch.argmax(x[3]))])):  # row 3 hits EOS in the second case
         eager, compiled = buffers(eos), buffers(eos)
-        gd._greedy_tail(x, *eager.values())
-        torch.compile(gd._greedy_tail, fullgraph=True)(x, *compiled.values())
+        gd.greedy_tail(x, *eager.values())
+        torch.compile(gd.greedy_tail, fullgraph=True)(x, *compiled.values())
         for name in eager:
             if eager[name] is not None:
                 assert torch.equal(eager[name], compiled[name]), name
@@ -71,6 +71,26 @@ def test_a_capture_error_says_where_it_was_raised():
     try:
         host_copy()
     except RuntimeError as exc:
-        why = compiled._why(exc)
+        why = compiled.failure_reason(exc)
     assert why.startswith("RuntimeError: Cannot copy between CPU and CUDA tensors")
     assert why.endswith("in host_copy") and "test_greedy_tail.py:" in why
+
+
+def test_a_capture_error_in_a_library_under_a_torch_named_path_names_that_library(tmp_path):
+    """Only torch's own frames are skipped: a library installed under a path that holds a ``torch``
+    folder (a venv at ``/opt/torch/.venv``) is still named."""
+    import importlib.util
+
+    from hf_zero3.decode import compiled
+
+    folder = tmp_path / "torch" / ".venv" / "site-packages"
+    folder.mkdir(parents=True)
+    (folder / "modeling_x.py").write_text("def forward():\n    raise RuntimeError('host copy')\n")
+    spec = importlib.util.spec_from_file_location("modeling_x", folder / "modeling_x.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    try:
+        module.forward()
+    except RuntimeError as exc:
+        why = compiled.failure_reason(exc)
+    assert why.endswith("modeling_x.py:2 in forward"), why

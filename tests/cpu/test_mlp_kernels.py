@@ -189,11 +189,11 @@ def test_autotuned_kernels_keep_their_results_for_the_next_process(tmp_path):
 
     code = (
         "import triton, triton.language as tl\n"
-        "from hf_zero3.kernels import _triton\n"
+        "from hf_zero3.kernels import triton_launch\n"
         "@triton.jit\n"
         "def k(x_ptr, N: tl.constexpr):\n"
         "    pass\n"
-        "print(_triton.autotune(k, [triton.Config({})], ['N']).cache_results)\n"
+        "print(triton_launch.autotune(k, [triton.Config({})], ['N']).cache_results)\n"
     )
     script = tmp_path / "tuned.py"  # Triton reads a kernel's source from its file
     script.write_text(code)

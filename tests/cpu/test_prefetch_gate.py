@@ -144,7 +144,7 @@ def test_rank_local_decisions_break_the_group():
 )
 def test_native_gate_builds_and_decides_like_the_fallback():
     code = r"""
-import torch, hf_zero3._ext as ext
+import torch, hf_zero3.native_gate as ext
 from hf_zero3.compile import gate
 mod = ext.load()
 assert mod is not None, ext.unavailable_reason()

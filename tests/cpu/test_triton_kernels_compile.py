@@ -38,7 +38,7 @@ _EMBED = r"""
 import ast, json, sys
 sys.path.insert(0, sys.argv[1])
 from torch._inductor.codegen.wrapper import user_defined_triton_kernel_transitive_closure_source_code as closure
-from hf_zero3.kernels import _decode_gemm_triton as gemm
+from hf_zero3.kernels import decode_gemm_triton as gemm
 from hf_zero3.kernels import gqa_decode
 assert gqa_decode.load() is not None, gqa_decode.unavailable_reason()
 Q = chr(39) * 3

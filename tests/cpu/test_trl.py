@@ -293,7 +293,7 @@ def _compiled_grpo_graphs(tmpdir, shim: bool):
     import hf_zero3
     from hf_zero3._upstream import patches
     from hf_zero3.testing import tiny_tokenizer
-    from hf_zero3.trl.adapter import DEEPCOMPILE_PAD_TO_MULTIPLE_OF
+    from hf_zero3.trl import DEEPCOMPILE_PAD_TO_MULTIPLE_OF
 
     graphs = trl_jobs.GraphCount()
     args = trl_jobs._args(
@@ -343,7 +343,7 @@ def _grpo_training_lengths(tmpdir, align: bool):
     from fixtures import trl_jobs
 
     import hf_zero3
-    from hf_zero3.trl import adapter
+    from hf_zero3.trainer import trl_adapter as adapter
 
     trainer = trl_jobs.grpo_trainer(tmpdir, diverge_eos=True, callbacks=[hf_zero3.Zero3Safe()])
     if align:

@@ -25,7 +25,7 @@ ALL_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_to
 def test_logits_head_gives_trls_outputs_and_gradients(shifted):
     from trl.trainer.utils import add_fused_lm_head
 
-    from hf_zero3.trl.fused_head import replace_fused_head
+    from hf_zero3.trainer.trl_fused_head import replace_fused_head
 
     trl_model, ours = _tiny(0), _tiny(0)
     for m in (trl_model, ours):
@@ -64,7 +64,7 @@ def test_a_softcapped_models_logits_are_not_transformed_twice():
     from transformers import Gemma2Config, Gemma2ForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
-    from hf_zero3.trl.fused_head import replace_fused_head
+    from hf_zero3.trainer.trl_fused_head import replace_fused_head
 
     cfg = Gemma2Config(
         vocab_size=96,
@@ -131,7 +131,7 @@ def _grpo_head_rank(tmpdir: str, deepcompile: bool, torch_compile: bool, peft: b
         if isinstance(cb, hf_zero3.Zero3Safe):
             cb.on_train_begin(trainer.args, trainer.state, trainer.control, model=trainer.model)
     from hf_zero3._upstream import patches
-    from hf_zero3.trl.adapter import before_training
+    from hf_zero3.trainer.trl_adapter import before_training
 
     pad_patch = "trl.trainer.grpo_trainer.pad: the group's length while aligning"
     aligned = pad_patch in patches.installed()
@@ -164,7 +164,7 @@ def test_zero3safe_replaces_the_head_only_for_deepcompile_training(
     """Under DeepCompile training, also: sequences padded to a multiple (one graph per length bucket,
     not per length) unless the user chose one."""
     from hf_zero3.testing import run_ranks
-    from hf_zero3.trl.adapter import DEEPCOMPILE_PAD_TO_MULTIPLE_OF
+    from hf_zero3.trl import DEEPCOMPILE_PAD_TO_MULTIPLE_OF
 
     r = run_ranks(
         _grpo_head_rank,
@@ -186,7 +186,7 @@ def _grpo_losses_rank(tmpdir: str):
     from transformers import TrainerCallback
 
     import hf_zero3
-    from hf_zero3.trl.fused_head import replace_fused_head
+    from hf_zero3.trainer.trl_fused_head import replace_fused_head
 
     class Swap(TrainerCallback):
         swapped = False

@@ -657,12 +657,12 @@ def test_alignment_asserts_option_is_a_real_inductor_option_and_the_loop_compile
 
     try:
         torch.compile = spy
-        compiled._compiled_once(probe)
-        compiled._compiled_call(Probe)
+        compiled.compiled_once(probe)
+        compiled.compiled_model_call(Probe)
     finally:
         torch.compile = real
-        caches._ONCE.pop(probe, None)
-        caches._COMPILED.pop((Probe, False), None)
+        caches.ONCE.pop(probe, None)
+        caches.COMPILED.pop((Probe, False), None)
     assert seen == [options, options], seen
 
 

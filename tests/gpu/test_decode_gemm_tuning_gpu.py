@@ -1,5 +1,5 @@
 """The decode GEMMs' autotuner on a GPU (marked gpu): a new shape's launch configurations are all
-compiled before the first is timed (:func:`hf_zero3.kernels._triton.compile_before_timing`), the
+compiled before the first is timed (:func:`hf_zero3.kernels.triton_launch.compile_before_timing`), the
 timing then finds each in the kernel's cache, and the tuned product is the matmul's."""
 
 import pytest

@@ -22,7 +22,7 @@ def test_two_deepcompile_engines_keep_their_own_plan():
 
 
 # Guards against the failures this path has had: TRL's fused LM head outside DeepCompile's graphs
-# (hf_zero3.trl.fused_head is the fix), TRL's gather for generation inside evaluate meeting Zero3Safe's
+# (hf_zero3.trainer.trl_fused_head is the fix), TRL's gather for generation inside evaluate meeting Zero3Safe's
 # eval region, and a recompile every step (sequence length; transformers' input-grad hook leak).
 @pytest.mark.timeout(600)
 def test_trl_grpo_under_deepcompile_trains_generates_and_evaluates(tmp_path):

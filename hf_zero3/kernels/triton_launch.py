@@ -9,6 +9,7 @@ import contextlib
 import importlib.util
 import inspect
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -52,7 +53,7 @@ def autotune(kernel, configs, key, **kwargs):
     """``triton.autotune`` with its results kept in Triton's cache directory (``cache_results``,
     where this Triton has it): each new process otherwise benchmarks every configuration of every
     shape again before its first decode step. ``TRITON_CACHE_DIR`` chooses where they live."""
-    import triton
+    import triton  # optional: triton
 
     if "cache_results" in inspect.signature(triton.autotune).parameters:
         kwargs["cache_results"] = True
@@ -93,8 +94,6 @@ def _compile_all(fn, args: tuple, meta: dict, configs: list) -> None:
     ``warmup``: compiled and kept in the kernel's cache, not launched), on threads that use the
     caller's GPU. A configuration that fails to compile is left to the timing, which fails it again
     and scores or raises it as Triton does."""
-    from concurrent.futures import ThreadPoolExecutor
-
     device = torch.cuda.current_device() if torch.cuda.is_available() else None
 
     def one(config):

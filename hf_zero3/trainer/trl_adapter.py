@@ -2,7 +2,8 @@
 
 Under ZeRO-3 every generation round is a collective (TRL's ``GatheredParameters`` gather, or the
 per-layer gathers with ``ds3_gather_for_generation=False``). TRL lets the number of rounds depend
-on the rank in three places; :func:`apply` makes each one collective on the trainer instance:
+on the rank in three places; :func:`adapt` (applied by ``Zero3Safe`` and :func:`hf_zero3.trl.apply`)
+makes each one collective on the trainer instance:
 
 * **Tool loops** (GRPO, ``DistillationTrainer``): a rank regenerates only while its own completions
   call tools. Each round of the loop is now announced in an agreement; a rank whose loop ended
@@ -16,7 +17,7 @@ on the rank in three places; :func:`apply` makes each one collective on the trai
 
 Under DeepCompile (DeepSpeed config ``compile.deepcompile`` and ``torch_compile=True``), TRL's fused
 LM head on the policy model is replaced by a logits-based one that DeepCompile can compile with the
-backbone (:mod:`hf_zero3.trl.fused_head`).
+backbone (:mod:`hf_zero3.trainer.trl_fused_head`).
 
 Three behaviours are patched process-wide (undone by ``hf_zero3.unpatch()``):
 
@@ -56,13 +57,19 @@ import functools
 import logging
 import random
 
+import torch.distributed as dist
+
 from .. import zero3
+from .._upstream import deepspeed as ds_up
 from .._upstream import patches
 from .._upstream import transformers as hf_up
 from .._upstream import trl as trl_up
+from .._upstream.transformers_trainer import trainer_deepspeed_config
 from .._upstream.versions import require
+from ..errors import Zero3Error
 from ..gathering import close_eval_region
 from ..runtime import runtime_of
+from .trl_fused_head import replace_fused_head
 
 log = logging.getLogger("hf_zero3.trl")
 _DRAW_SCALE = 2**53
@@ -74,8 +81,6 @@ DEEPCOMPILE_PAD_TO_MULTIPLE_OF = 128  # TRL's own choice on Neuron: fewer shapes
 
 def runs_zero3(trainer) -> bool:
     """Whether ``trainer``'s DeepSpeed config is ZeRO-3 (a trainer that is not is left alone)."""
-    from .._upstream.transformers_trainer import trainer_deepspeed_config
-
     stage = ((trainer_deepspeed_config(trainer) or {}).get("zero_optimization") or {}).get("stage")
     if stage != 3:
         log.info("hf_zero3.trl: %s does not run ZeRO-3; nothing to adapt", type(trainer).__name__)
@@ -129,7 +134,6 @@ def before_training(trainer) -> bool:
     one (GRPO installs its head after ``Trainer.__init__`` ends, so not earlier). Local."""
     if not _deepcompile_training(trainer):
         return False
-    from .fused_head import replace_fused_head
 
     align_lengths(trainer)
     if getattr(trainer, trl_up.PAD_TO_MULTIPLE_OF, False) is None:
@@ -209,8 +213,6 @@ def _padded_to_group(pad):
 def _deepcompile_training(trainer) -> bool:
     """The trainer will train through DeepCompile: its DeepSpeed config enables it and
     ``torch_compile`` makes accelerate call ``engine.compile()`` (the engine does not exist yet)."""
-    from .._upstream.transformers_trainer import trainer_deepspeed_config
-
     config = trainer_deepspeed_config(trainer) or {}
     return bool((config.get("compile") or {}).get("deepcompile")) and bool(
         getattr(trainer.args, "torch_compile", False)
@@ -276,8 +278,6 @@ def _align_tool_loop(trainer) -> None:
             result = loop(*args, **kwargs)
         except Exception as exc:
             state["rounds"] = None
-            from ..errors import Zero3Error
-
             if not isinstance(exc, Zero3Error):
                 rounds.fail(exc)
             raise
@@ -306,8 +306,6 @@ def _agree_draws(trainer) -> None:
         mine = random.random()  # the draw TRL is about to make here; the stream is rewound below
         random.setstate(saved_state)
         first = zero3.group_ranks(rt.group)[0]
-        import torch.distributed as dist
-
         (agreed,) = rt.agree("trl.gkd.draw", [int(mine * _DRAW_SCALE) if dist.get_rank() == first else -1])
         lmbda = trainer.lmbda
         trainer.lmbda = 1.0 if agreed / _DRAW_SCALE <= lmbda else -1.0  # TRL's own draw now decides alike
@@ -322,7 +320,6 @@ def _agree_draws(trainer) -> None:
 
 def _skip_on_deepcompile(add_hooks):
     """TRL's ``add_hooks(engine)``, except on DeepCompile engines (whose graph gathers natively)."""
-    from .._upstream import deepspeed as ds_up
 
     @functools.wraps(add_hooks)
     def wrapped(model):

@@ -26,6 +26,8 @@ import types
 
 import torch
 
+from .._upstream import trl as trl_up
+
 log = logging.getLogger("hf_zero3.trl")
 
 
@@ -57,8 +59,6 @@ def logits_head_outputs(
 def replace_fused_head(model) -> bool:
     """Swap TRL's fused-head forward on ``model`` (or the model PEFT wraps) for the logits-based
     one; False when no TRL fused head is installed there."""
-    from .._upstream import trl as trl_up
-
     for target in _candidates(model):
         settings = trl_up.fused_lm_head_settings(target)
         if settings is None:
@@ -90,8 +90,6 @@ def _candidates(model):
 
 
 def _logits_forward(s: dict):
-    from .._upstream import trl as trl_up
-
     original_forward = s["original_forward"]
     output_cls = trl_up.fused_output_class()
 

@@ -15,7 +15,7 @@ strides, constexprs."""
 import triton
 import triton.language as tl
 
-from ._common_triton import dependent_start
+from .triton_common import dependent_start
 
 
 @triton.jit

@@ -10,7 +10,7 @@ inputs' strides, those of the caches, mask and output, constexprs."""
 import triton
 import triton.language as tl
 
-from ._common_triton import dependent_start
+from .triton_common import dependent_start
 
 
 @triton.jit

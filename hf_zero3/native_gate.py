@@ -1,7 +1,7 @@
 """Loads the native prefetch gate (``csrc/gate.cpp``), lazily, and says whether it is there.
 
 Two ways in: a prebuilt module (``HF_ZERO3_BUILD_EXT=1 pip install --no-build-isolation .``
-builds ``hf_zero3._gate``), else a JIT build of ``csrc/`` with ninja through
+builds ``hf_zero3.native_gate_ext``), else a JIT build of ``csrc/`` with ninja through
 ``torch.utils.cpp_extension`` (cached under ``TORCH_EXTENSIONS_DIR``). Without CUDA, or when the
 build fails, :func:`is_available` is False and :mod:`hf_zero3.compile.gate` runs its pure-PyTorch
 fallback, which takes the same decisions. ``HF_ZERO3_NATIVE=0`` (any switch's off) turns the native path off;
@@ -42,18 +42,19 @@ def load(verbose: bool = False):
         with_cuda = mode != "cpu"
         try:
             if with_cuda:
-                from hf_zero3 import _gate as module  # prebuilt at install time
+                from hf_zero3 import native_gate_ext as module  # optional: the native extension, prebuilt at install
         except ImportError:
             module = None
         if module is None:
             src = CSRC / "gate.cpp"
             if not src.exists():
                 reason = (
-                    f"{src} is missing (not a source checkout) and hf_zero3._gate was not "
+                    f"{src} is missing (not a source checkout) and hf_zero3.native_gate_ext was not "
                     f"prebuilt; reinstall with HF_ZERO3_BUILD_EXT=1 pip install --no-build-isolation ."
                 )
             else:
                 try:
+                    # optional: the JIT build (torch.utils.cpp_extension, with ninja and a compiler)
                     from torch.utils.cpp_extension import load as jit_load
 
                     flags = ["-O2"] + (["-DHF_ZERO3_WITH_CUDA"] if with_cuda else [])

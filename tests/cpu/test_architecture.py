@@ -1,0 +1,134 @@
+"""``docs/architecture.md`` held to the code, claim by claim: its module table names every module
+(and only those), and each dependency rule it states is read from the import statements (nothing
+imported). The environment-reads table and the private-name rules are checked in
+``test_import_graph.py``."""
+
+from __future__ import annotations
+
+import ast
+import re
+
+from test_import_graph import ARCHITECTURE, PACKAGE, _graph, _modules
+
+PAGE = ARCHITECTURE.read_text(encoding="utf-8")
+#: at most this many imports inside functions, each with its reason in a comment
+FUNCTION_IMPORTS = 40
+
+
+def _table_rows() -> dict[str, str]:
+    """The Modules table: first cell (``name.py`` or ``name/``) -> the row's text."""
+    section = PAGE.split("## Modules", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 2 and cells[0].startswith("`"):
+            rows[cells[0].strip("`")] = cells[1]
+    return rows
+
+
+def test_the_module_table_names_every_module_and_package_and_no_other():
+    rows = _table_rows()
+    top = {p.name + "/" for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    top |= {p.name for p in PACKAGE.glob("*.py")}
+    assert set(rows) == top, f"missing rows {sorted(top - set(rows))}, rows of nothing {sorted(set(rows) - top)}"
+
+
+def test_each_package_row_names_its_modules():
+    """A package's row names each of its modules (``__init__.py`` and ``_upstream/``'s contract
+    modules aside: that row describes them by what they read)."""
+    rows = _table_rows()
+    missing = []
+    for name, text in rows.items():
+        if not name.endswith("/") or name == "_upstream/":
+            continue
+        for path in sorted((PACKAGE / name).glob("*.py")):
+            if path.name != "__init__.py" and f"`{path.name}`" not in text:
+                missing.append(f"{name}{path.name}")
+    assert not missing, f"modules the architecture page's table does not name: {missing}"
+
+
+def test_decode_never_imports_generation():
+    graph = _graph()
+    back = sorted(f"{m} -> {t}" for m, ts in graph.items() if m.startswith("hf_zero3.decode") for t in ts)
+    back = [b for b in back if "hf_zero3.generation" in b.split(" -> ")[1]]
+    assert "`generation/` calls `decode/`, which never imports it back" in PAGE
+    assert not back, back
+
+
+def test_kernels_import_nothing_else_of_the_package():
+    graph = _graph()
+    out = sorted(
+        f"{m} -> {t}"
+        for m, ts in graph.items()
+        if m.startswith("hf_zero3.kernels")
+        for t in ts
+        if not t.startswith("hf_zero3.kernels")
+    )
+    assert "`kernels/` imports nothing else from the package" in PAGE
+    assert not out, out
+
+
+def test_only_the_trl_entry_imports_the_trainer_layer():
+    graph = _graph()
+    importers = sorted(
+        m
+        for m, ts in graph.items()
+        if not m.startswith("hf_zero3.trainer")
+        and any(t == "hf_zero3.trainer" or t.startswith("hf_zero3.trainer.") for t in ts)
+    )
+    assert "`trl/` sits above it" in PAGE
+    assert importers == ["hf_zero3.trl"], importers
+
+
+def test_the_decode_path_is_decided_in_the_plan_alone():
+    """The static loop's eligibility and the region rule are called by ``decode/plan.py`` only, and
+    lockstep's generation hooks ask the plan (``plan(`` in each hook that decides)."""
+    callers = []
+    for name, path in _modules().items():
+        if name == "hf_zero3.decode.plan":
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                if node.func.attr == "unsupported" and ast.unparse(node.func.value) in ("eligibility", "static_loop"):
+                    callers.append(f"{name}:{node.lineno}")
+    assert not callers, f"the loop's eligibility asked outside the plan: {callers}"
+    lockstep = (PACKAGE / "generation" / "lockstep.py").read_text(encoding="utf-8")
+    for hook in ("def generate(", "def _valid_auto_compile_criteria(", "def _sample("):
+        body = lockstep.split(hook, 1)[1].split("\n    def ", 1)[0]
+        assert "decode_plan.plan(" in body, hook
+    assert "`plan()`: every decision of which decode path a call takes" in PAGE
+
+
+def test_agreements_of_a_call_live_in_its_call_object():
+    """``generation/call.py`` holds a call's agreements; ``lockstep.py`` runs none itself."""
+    lockstep = ast.parse((PACKAGE / "generation" / "lockstep.py").read_text(encoding="utf-8"))
+    direct = [
+        node.lineno
+        for node in ast.walk(lockstep)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("agree", "_agree")
+    ]
+    assert not direct, f"lockstep.py agrees itself at lines {direct}"
+    assert re.search(r"`call\.py`: `LockstepCall`, one call's agreements", PAGE)
+
+
+def _function_imports() -> list[tuple[str, int, str]]:
+    """(module, line, the line and the one before it) of every import inside a function."""
+    out = []
+    for name, path in _modules().items():
+        lines = path.read_text(encoding="utf-8").splitlines()
+        tree = ast.parse("\n".join(lines))
+        for func in ast.walk(tree):
+            if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(func):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    out.append((name, node.lineno, lines[node.lineno - 2] + "\n" + lines[node.lineno - 1]))
+    return sorted(set(out))
+
+
+def test_imports_sit_at_module_level_unless_a_reason_is_named():
+    found = _function_imports()
+    assert len(found) <= FUNCTION_IMPORTS, f"{len(found)} imports inside functions: {[f[:2] for f in found]}"
+    silent = [f"{m}:{line}" for m, line, text in found if "#" not in text]
+    assert not silent, f"imports inside functions without their reason in a comment: {silent}"
