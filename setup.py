@@ -30,7 +30,11 @@ if _switch("HF_ZERO3_BUILD_EXT"):
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
     ext_modules = [
-        CUDAExtension("hf_zero3.native_gate_ext", ["csrc/gate.cpp"], extra_compile_args={"cxx": ["-O2", "-DHF_ZERO3_WITH_CUDA"]})
+        CUDAExtension(
+            "hf_zero3.native_gate_ext",
+            ["csrc/gate.cpp"],
+            extra_compile_args={"cxx": ["-O2", "-DHF_ZERO3_WITH_CUDA"]},
+        )
     ]
     cmdclass = {"build_ext": BuildExtension}
 
