@@ -216,7 +216,8 @@ def grpo_rank(tmpdir: str):
         mark(f"grpo {name}")
         timer = _Timer(sync)
         callbacks = [timer.callback()] + ([hf_zero3.Zero3Safe()] if fixed else [])
-        ds = trainer_zero3_config()
+        # bf16 as TRL's and accelerate's DeepSpeed configs set it (without the key DeepSpeed trains fp32)
+        ds = trainer_zero3_config(extra={"bf16": {"enabled": "auto"}})
         if ZERO3 == "deepspeed":
             ds = {k: v for k, v in ds.items() if k != "optimizer"}
             ds["zero_optimization"] = {"stage": 3}
@@ -281,6 +282,7 @@ def grpo_rank(tmpdir: str):
                 graph_steps=last.graph_steps if last is not None else 0,
                 graphs_reused=last.graphs_reused if last is not None else False,
                 graph_capture_s=last.graph_capture_s if last is not None else 0.0,
+                graph_reason=last.graph_reason if last is not None else None,
                 experts=last.decode_report.experts if last is not None else None,
                 prompt_lengths=timer.prompt_lengths,
                 rollout_tokens_per_s=timer.tokens / timer.gen_s if timer.gen_s else None,
