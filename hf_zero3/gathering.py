@@ -60,7 +60,7 @@ class Region:
 def active_plan(model_or_engine) -> "GatherPlan | None":
     """The plan of the gathered region open on this model, if any."""
     rt = runtime_of(model_or_engine, create=False)
-    return rt.region.plan if rt is not None and rt.region is not None else None
+    return rt.eval.region.plan if rt is not None and rt.eval.region is not None else None
 
 
 def free_bytes(device: torch.device) -> int:
@@ -144,13 +144,13 @@ def gathered_forwards(
         yield GatherPlan("none")
         return
     rt = runtime_of(model_or_engine)
-    if rt.region is not None:  # nested (generate inside an eval loop): the outer region serves
-        yield rt.region.plan
+    if rt.eval.region is not None:  # nested (generate inside an eval loop): the outer region serves
+        yield rt.eval.region.plan
         return
     plan = _decide(rt, model, mode, layer_hooks, op, group, agreed)
     with contextlib.ExitStack() as stack:
-        rt.region = Region(plan)
-        stack.callback(setattr, rt, "region", None)
+        rt.eval.region = Region(plan)
+        stack.callback(setattr, rt.eval, "region", None)
         if plan.deepcompile:
             stack.enter_context(compiled_calls_bypassed(model))
         if plan.strategy in ("all", "held"):
@@ -246,20 +246,27 @@ def open_eval_region(model, gather: str = "auto") -> GatherPlan | None:
     """Open an eval region that stays open until :func:`close_eval_region` (Trainer eval loops,
     which have no "evaluation begins" event: the first eval forward opens it)."""
     rt = runtime_of(model)
-    if rt.region is not None:
-        return rt.region.plan
+    if rt.eval.region is not None:
+        return rt.eval.region.plan
     stack = contextlib.ExitStack()
     plan = stack.enter_context(gathered_forwards(model, gather, op="eval_region"))
-    if rt.region is not None:  # ZeRO-3: keep the region (and its exit) on the runtime
-        rt.region.stack = stack
-    rt.last_eval_plan = plan
+    if rt.eval.region is not None:  # ZeRO-3: keep the region (and its exit) on the runtime
+        rt.eval.region.stack = stack
+    rt.eval.last_plan = plan
     return plan
+
+
+def arm_eval_region(model, gather: str) -> None:
+    """The first eval forward of ``model`` opens a region of ``gather`` that stays open for the
+    rest of the eval loop (:class:`EvalGatherMixin`; Zero3Safe arms it). Local."""
+    rt = runtime_of(model)
+    rt.eval.auto_region, rt.eval.gather = True, gather
 
 
 def close_eval_region(model) -> bool:
     """Release what :func:`open_eval_region` gathered; True if a region was open. Local only."""
     rt = runtime_of(model, create=False)
-    region = rt.region if rt is not None else None
+    region = rt.eval.region if rt is not None else None
     if region is None or region.stack is None:
         return False
     region.stack.close()
@@ -270,7 +277,7 @@ class EvalGatherMixin:
     """Model-class refinement: eval forwards of a ZeRO-3 model gather parameters when needed.
 
     * A training forward (``train()`` mode with grad enabled) first closes any open eval region.
-    * With the runtime's ``eval_auto_region`` set (by :class:`~hf_zero3.Zero3Safe`), the first
+    * With the runtime's eval region armed (:func:`arm_eval_region`, by :class:`~hf_zero3.Zero3Safe`), the first
       eval forward opens a region that stays open for the rest of the eval loop.
     * Otherwise an eval forward of a compiled ZeRO-3 model (DeepCompile) gets a region of its own,
       released when the forward returns or raises.
@@ -280,7 +287,7 @@ class EvalGatherMixin:
     def hf_zero3_last_eval_plan(self) -> GatherPlan | None:
         """The plan of the last eval region opened on this model."""
         rt = runtime_of(self, create=False)
-        return rt.last_eval_plan if rt is not None else None
+        return rt.eval.last_plan if rt is not None else None
 
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling() or "_hf_zero3_in_call" in self.__dict__:
@@ -289,15 +296,15 @@ class EvalGatherMixin:
         if self.training and torch.is_grad_enabled():
             close_eval_region(self)
             return super().__call__(*args, **kwargs)
-        if rt.region is not None or not zero3.is_zero3_model(self):
+        if rt.eval.region is not None or not zero3.is_zero3_model(self):
             return super().__call__(*args, **kwargs)
-        if rt.eval_auto_region:
-            open_eval_region(self, rt.eval_gather)
+        if rt.eval.auto_region:
+            open_eval_region(self, rt.eval.gather)
             return super().__call__(*args, **kwargs)
         if torch_up.compiled_call(self) is not None:
             self.__dict__["_hf_zero3_in_call"] = True
             try:
-                with eval_forward(self, rt.eval_gather):
+                with eval_forward(self, rt.eval.gather):
                     return super().__call__(*args, **kwargs)
             finally:
                 self.__dict__.pop("_hf_zero3_in_call", None)

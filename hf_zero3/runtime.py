@@ -1,8 +1,10 @@
 """One :class:`Runtime` per ZeRO-3 model (and its DeepSpeed engine): everything hf_zero3 keeps about it.
 
-The runtime owns the model's gather group, its lockstep and eval settings, the gathered region
-open on it, its memory plan, the call counter its agreements are tagged with, and the report of
-the last ``generate()`` (also left on the generating model as ``hf_zero3_last_generate``). It is
+The runtime owns the model's gather group and the call counter its agreements are tagged with,
+and one typed record per concern, each written by one module: :class:`GenerationState`
+(lockstep's settings, the running call, the last ``generate()``'s report, also left on the
+generating model as ``hf_zero3_last_generate``), :class:`EvalState` (the eval settings and the
+gathered region open on the model), :class:`MemoryPlanState` and :class:`TrlState`. It is
 attached explicitly, as the attribute ``hf_zero3_runtime`` on the engine, the module it wraps and
 (for PEFT) the base model that generates, by whichever entry point first sees them (``lockstep``,
 ``eval_forward``, ``Zero3Safe``, the memory plan, the TRL adapter). Nothing is found by scanning
@@ -17,7 +19,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch.nn as nn
 
@@ -25,12 +28,54 @@ from . import agree, zero3
 from ._upstream import deepspeed as ds_up
 from ._upstream import torch as torch_up
 
+if TYPE_CHECKING:  # annotations only: these modules import this one
+    from .compile.config import MemoryPlanConfig
+    from .compile.memory_plan import MemoryPlanPass
+    from .gathering import GatherPlan, Region
+    from .generation.call import LockstepCall
+    from .generation.config import LockstepConfig, LockstepStats
+
 ATTR = "hf_zero3_runtime"
 _CREATE_LOCK = threading.Lock()
 
 
 def _detached():
     return None
+
+
+@dataclass
+class GenerationState:
+    """Lockstep generation on one model; written by :mod:`hf_zero3.generation.lockstep` alone."""
+
+    config: LockstepConfig | None = None  # the model's lockstep settings (lockstep(), Zero3Safe)
+    call: LockstepCall | None = None  # the generate() call running now
+    last: LockstepStats | None = None  # the report of the last generate() call
+
+
+@dataclass
+class EvalState:
+    """Eval forwards on one model; written by :mod:`hf_zero3.gathering` alone."""
+
+    auto_region: bool = False  # the first eval forward opens a gathered region (Zero3Safe arms it)
+    gather: str = "auto"  # that region's gathering
+    region: Region | None = None  # the gathered region open on the model
+    last_plan: GatherPlan | None = None  # the last eval region's plan
+
+
+@dataclass
+class MemoryPlanState:
+    """The DeepCompile memory plan of one engine; written by :mod:`hf_zero3.compile.memory_plan` alone."""
+
+    config: MemoryPlanConfig | None = None  # resolved when accelerate prepares the engine
+    plan: MemoryPlanPass | None = None  # the pass bound to the engine
+
+
+@dataclass
+class TrlState:
+    """The TRL trainer a model generates for; written by :mod:`hf_zero3.trainer.trl_adapter` alone."""
+
+    trainer: str | None = None  # its class name (its rollouts decode through the static loop)
+    join: Any = None  # call alignment: this rank only joins the others' calls (an op name)
 
 
 class Runtime:
@@ -41,17 +86,10 @@ class Runtime:
         self._engine = weakref.ref(engine) if engine is not None else None
         self._group: Any = None
         self.counter = 0  # call-level agreements so far (tags carry it)
-        self.lockstep = None  # LockstepConfig once lockstep() was applied
-        self.loop = None  # the running lockstep generate() call's loop state
-        self.last_generate = None  # LockstepStats of the last generate() call
-        self.eval_auto_region = False  # Zero3Safe: the first eval forward opens a region
-        self.eval_gather = "auto"
-        self.region = None  # the gathered region open on the model (gathering.Region)
-        self.last_eval_plan = None
-        self.memory_plan = None  # MemoryPlanPass bound to this engine
-        self.memory_plan_config = None
-        self.join = None  # TRL call alignment: this rank only joins others' calls
-        self.trl_trainer = None  # the TRL trainer (its class name) whose rollouts this model generates
+        self.generation = GenerationState()
+        self.eval = EvalState()
+        self.memory = MemoryPlanState()
+        self.trl = TrlState()
         self._busy = threading.Lock()  # one generate() at a time per model (threads queue)
         self._key: int | None = None
 

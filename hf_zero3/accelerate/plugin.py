@@ -31,8 +31,7 @@ from .._upstream import accelerate as acc_up
 from .._upstream import patches
 from .._upstream.versions import require
 from ..compile.config import SECTION, ConfigError, MemoryPlanConfig
-from ..compile.memory_plan import apply_memory_plan, engine_plan_config, plan_applies
-from ..runtime import runtime_of
+from ..compile.memory_plan import apply_memory_plan, bind_memory_plan_config, engine_plan_config, plan_applies
 
 log = logging.getLogger("hf_zero3.accelerate")
 PATCHES = (
@@ -78,7 +77,7 @@ def _before_prepare(accelerator) -> MemoryPlanConfig | None:
 def _after_prepare(accelerator, engine, config: MemoryPlanConfig | None) -> None:
     if config is None:
         return
-    runtime_of(engine).memory_plan_config = config
+    bind_memory_plan_config(engine, config)
     if plan_applies(engine, config) and not getattr(engine, "is_compiled", False):
         # The DeepSpeed launcher drops the YAML's dynamo settings, so accelerate compiled nothing.
         log.info(

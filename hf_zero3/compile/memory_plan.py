@@ -310,10 +310,15 @@ class _Dispatcher:
 _DISPATCHER = _Dispatcher()
 
 
+def bind_memory_plan_config(engine, config: MemoryPlanConfig) -> None:
+    """The settings accelerate's prepare resolved for ``engine``, for its plan (local)."""
+    runtime_of(engine).memory.config = config
+
+
 def engine_plan_config(engine) -> MemoryPlanConfig:
     """The settings for ``engine``: what accelerate's prepare resolved (kept on its runtime), else its
     DeepSpeed config's ``hf_zero3.memory_plan`` section (and ``HF_ZERO3_*``)."""
-    config = runtime_of(engine).memory_plan_config
+    config = runtime_of(engine).memory.config
     if config is None:
         raw = getattr(engine, "config", None)
         config = MemoryPlanConfig.from_ds_config(raw if isinstance(raw, dict) else {})
@@ -353,7 +358,7 @@ def apply_memory_plan(engine, config: MemoryPlanConfig | None = None) -> tuple[M
         )
     _DISPATCHER.add(planner)
     register_ops()
-    rt.memory_plan, rt.memory_plan_config = planner, config
+    rt.memory.plan, rt.memory.config = planner, config
     _raise_plan_errors_from_forward(engine, rt)
     return planner, memory_plan_schedule(config)
 

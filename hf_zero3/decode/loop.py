@@ -34,15 +34,6 @@ def _tensor_ptrs(obj, big: bool = False) -> tuple:
     return tuple((k, v.data_ptr()) for k, v in hf_up.layer_state_tensors(obj) if not big or v.numel() > _SMALL)
 
 
-def sample_one(probs: torch.Tensor) -> torch.Tensor:
-    """One token per row drawn from ``probs``, as ``torch.multinomial(probs, 1)`` draws it (the same
-    exponential race on the same generator: the same tokens) without its validity check, whose
-    host read cannot be captured in a CUDA graph ("Cannot copy between CPU and CUDA tensors
-    during CUDA graph capture"): every sampled step (TRL's rollouts) would run uncaptured."""
-    race = torch.empty_like(probs).exponential_(1)
-    return torch.argmax(probs / race, dim=-1)
-
-
 class DecodeLoop:
     """The static buffers of one (model, batch, cache length, options) and the CUDA graphs of its
     decode steps, kept across calls (see :func:`.loop_cache.loop_for`); per call, :meth:`start`
@@ -244,7 +235,7 @@ class DecodeLoop:
             return greedy_tail(logits, *buffers)
         scores = self.logits(logits.to(torch.float32), self.idx, self.prompt)
         if self.sample:
-            nxt = sample_one(torch.softmax(scores, dim=-1))
+            nxt = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
         else:
             nxt = torch.argmax(scores, dim=-1)
         record_token(nxt, *buffers)

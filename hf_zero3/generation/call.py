@@ -29,7 +29,7 @@ class LockstepCall(StopAgreement):
 
     def __init__(self, model: nn.Module, rt, cfg: LockstepConfig, group):
         self.model, self.rt, self.cfg, self.group = model, rt, cfg, group
-        self.stats = LockstepStats(stop=cfg.stop, joined=rt.join is not None)
+        self.stats = LockstepStats(stop=cfg.stop, joined=rt.trl.join is not None)
         self.budget: int | None = None
         self.calls = 0
         self.done_at: int | None = None
@@ -133,7 +133,7 @@ class LockstepCall(StopAgreement):
         # means K forwards in all.
         k = self.calls
         self.calls += 1
-        if self.rt.join is not None:
+        if self.rt.trl.join is not None:
             this_peer_finished = True  # a joining rank's rows are placeholders
         if this_peer_finished and self.done_at is None:
             self.done_at = k
@@ -170,7 +170,7 @@ class LockstepCall(StopAgreement):
             every=self.every,
             fixed=self.cfg.stop == "fixed",
             late=self.late,
-            joined=self.rt.join is not None,
+            joined=self.rt.trl.join is not None,
         )
 
     def agree_step(self, unfinished: bool) -> bool:
@@ -192,7 +192,7 @@ class LockstepCall(StopAgreement):
     def finish_loop(self, outcome: LoopOutcome) -> None:
         """hf_zero3's static loop ran ``outcome.forwards`` forwards (see :mod:`.static_loop`)."""
         done_at = outcome.done_at
-        if self.rt.join is not None:
+        if self.rt.trl.join is not None:
             done_at = 0  # a joining rank's rows are placeholders, done from the start
         self._count_forwards(outcome.forwards, done_at)
         self.stats.loop = "hf_zero3"

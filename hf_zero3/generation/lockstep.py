@@ -67,7 +67,7 @@ class Zero3GenerationMixin:
     def hf_zero3_last_generate(self) -> LockstepStats | None:
         """What the last lockstep ``generate()`` call did (None before the first)."""
         rt = runtime_of(self, create=False)
-        return rt.last_generate if rt is not None else None
+        return rt.generation.last if rt is not None else None
 
     def generate(self, *args, **kwargs):
         overrides = {k: kwargs.pop(k) for k in LOCKSTEP_FIELDS if k in kwargs}
@@ -78,14 +78,14 @@ class Zero3GenerationMixin:
         error = None
         try:
             require("core")
-            cfg = lockstep_config(given or rt.lockstep, **overrides).validate()
+            cfg = lockstep_config(given or rt.generation.config, **overrides).validate()
             group = cfg.group if cfg.group is not None else rt.group
             _check_group_matches(self, group)
             hf_up.generation_hooks_present()
             _refuse_rank_divergent_options(cfg, args, kwargs)
-            request = decode_plan.DecodeRequest.of(self, cfg.decode, kwargs, trl=rt.trl_trainer)
+            request = decode_plan.DecodeRequest.of(self, cfg.decode, kwargs, trl=rt.trl.trainer)
             decided = decode_plan.plan(self, request)
-            options = (cfg.decode_options or DecodeOptions()).resolved(rollout=rt.trl_trainer is not None)
+            options = (cfg.decode_options or DecodeOptions()).resolved(rollout=rt.trl.trainer is not None)
             if decided.compiled:
                 compiled_decode.prepare(self, args, kwargs, cfg.bucket)
             else:
@@ -96,7 +96,7 @@ class Zero3GenerationMixin:
             group = overrides.get("group")  # None: the model's own group (a model with none raises alike)
         rt.enter()
         try:
-            call = rt.loop = LockstepCall(self, rt, cfg, group)
+            call = rt.generation.call = LockstepCall(self, rt, cfg, group)
             call.request, call.options = request, options
             call.set_plan(decided)
             graphs = compiled_decode.graph_count()
@@ -110,10 +110,10 @@ class Zero3GenerationMixin:
                 call.fail(exc)
                 raise
             finally:
-                rt.loop = None
+                rt.generation.call = None
                 call.close()
             call.stats.compiles = compiled_decode.graph_count() - graphs
-            rt.last_generate = call.stats
+            rt.generation.last = call.stats
             self.__dict__["hf_zero3_last_generate"] = call.stats  # the report outlives lockstep_generate's class swap
             return out
         finally:
@@ -244,7 +244,7 @@ def _encoder_begins(model) -> None:
 
 def _call_of(model) -> LockstepCall | None:
     rt = runtime_of(model, create=False)
-    return rt.loop if rt is not None else None
+    return rt.generation.call if rt is not None else None
 
 
 def _check_group_matches(model, group) -> None:
@@ -329,10 +329,14 @@ def lockstep(model, lockstep: LockstepConfig | None = None, **options):
     require("core")
     cfg = lockstep_config(lockstep, **options).validate()
     target = _generating_model(model)
-    rt = runtime_of(model)
     target.__class__ = lockstep_class(type(target))
-    rt.lockstep = cfg
+    set_lockstep_config(model, cfg)
     return model
+
+
+def set_lockstep_config(model, cfg: LockstepConfig) -> None:
+    """``model``'s lockstep settings, which each ``generate()`` starts from (local)."""
+    runtime_of(model).generation.config = cfg
 
 
 def lockstep_generate(model, lockstep: LockstepConfig | None = None, **kwargs):

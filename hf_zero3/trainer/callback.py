@@ -36,9 +36,9 @@ from ..accelerate import enable_memory_plan
 from ..accelerate.plugin import wants_memory_plan
 from ..compile.config import SECTION
 from ..errors import Zero3Error
-from ..gathering import close_eval_region
+from ..gathering import arm_eval_region, close_eval_region
 from ..generation.config import LockstepConfig, lockstep_config
-from ..generation.lockstep import base_module, is_generation_model, lockstep_class
+from ..generation.lockstep import base_module, is_generation_model, lockstep_class, set_lockstep_config
 from ..runtime import runtime_of
 from . import trl_adapter
 
@@ -123,10 +123,9 @@ class Zero3Safe(TrainerCallback):
         target = base_module(model)
         generation = is_generation_model(target)
         target.__class__ = lockstep_class(type(target), generation=generation)
-        rt = runtime_of(model)
-        rt.eval_auto_region, rt.eval_gather = True, self.gather
+        arm_eval_region(model, self.gather)
         if generation:
-            rt.lockstep = self.lockstep
+            set_lockstep_config(model, self.lockstep)
         elif not getattr(self, "_said_no_generate", False):
             self._said_no_generate = True
             log.info(

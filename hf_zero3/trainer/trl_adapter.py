@@ -108,7 +108,7 @@ def adapt(trainer) -> list[str]:
     trainer._hf_zero3_trl_adapted = True  # Zero3Safe.on_train_begin calls before_training
     # TRL's disable_compile keeps transformers from compiling; hf_zero3's static loop still may
     # (see hf_zero3.generation.compiled_decode)
-    _runtime(trainer).trl_trainer = type(trainer).__name__
+    _runtime(trainer).trl.trainer = type(trainer).__name__
     if _deepcompile_training(trainer):
         before_training(trainer)  # apply() after construction; else TRL adds its head later in __init__
         adapted.append("fused_lm_head")
@@ -242,11 +242,11 @@ class _Rounds:
         """This rank's rounds are over: run placeholders while another rank still has rounds."""
         joined = 0
         while self.rt.agree(self.op, [0])[0]:
-            self.rt.join = self.op
+            self.rt.trl.join = self.op
             try:
                 placeholder()
             finally:
-                self.rt.join = None
+                self.rt.trl.join = None
             joined += 1
         return joined
 

@@ -132,3 +132,38 @@ def test_imports_sit_at_module_level_unless_a_reason_is_named():
     assert len(found) <= FUNCTION_IMPORTS, f"{len(found)} imports inside functions: {[f[:2] for f in found]}"
     silent = [f"{m}:{line}" for m, line, text in found if "#" not in text]
     assert not silent, f"imports inside functions without their reason in a comment: {silent}"
+
+
+#: each of the runtime's records and the one module that writes it (runtime.py's docstrings)
+RECORD_WRITERS = {
+    "generation": "hf_zero3.generation.lockstep",
+    "eval": "hf_zero3.gathering",
+    "memory": "hf_zero3.compile.memory_plan",
+    "trl": "hf_zero3.trainer.trl_adapter",
+}
+
+
+def test_each_runtime_record_has_one_writer():
+    """An assignment to ``<runtime>.<record>.<field>`` (or a ``setattr`` on the record) appears only
+    in the record's writer module."""
+    writes = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets = []
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                targets = [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+                targets = [t.value for t in targets if isinstance(t, ast.Attribute)]
+            elif isinstance(node, ast.Call) and ast.unparse(node.func) == "setattr" and node.args:
+                targets = [node.args[0]]
+            for t in targets:
+                if isinstance(t, ast.Attribute) and t.attr in RECORD_WRITERS:
+                    writes.append((t.attr, name, node.lineno))
+    assert {record for record, _, _ in writes} == set(RECORD_WRITERS), writes  # the scan sees every record
+    strangers = [
+        f"{module}:{line} writes .{record}" for record, module, line in writes if module != RECORD_WRITERS[record]
+    ]
+    assert not strangers, strangers
+    runtime = (PACKAGE / "runtime.py").read_text(encoding="utf-8")
+    for record, module in RECORD_WRITERS.items():
+        assert f"written by :mod:`{module}` alone" in runtime, record

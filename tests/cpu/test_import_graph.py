@@ -2,8 +2,8 @@
 private names.
 
 Read from the source (nothing imported): every ``import`` / ``from ... import`` statement of every
-module under ``hf_zero3/``, at any depth (a function-level import is a dependency too), resolved to
-the module it names. A cycle means two modules that cannot be understood, tested or changed apart;
+module under ``hf_zero3/``, at any depth (a function-level import is a dependency too; one under
+``if TYPE_CHECKING:`` is for annotations only and is not), resolved to the module it names. A cycle means two modules that cannot be understood, tested or changed apart;
 the fix is a layer, not a lazy import.
 """
 
@@ -24,11 +24,24 @@ def _modules() -> dict[str, Path]:
     return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
 
 
+def _runtime_nodes(tree: ast.AST):
+    """Every node of ``tree`` except those under ``if TYPE_CHECKING:`` (imports for annotations
+    only: no module runs them, so they are no dependency)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            stack.extend(node.orelse)
+            continue
+        stack.extend(ast.iter_child_nodes(node))
+
+
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[str, list[str]]]:
     """(module imported, names taken from it) for each import of an hf_zero3 module in ``path``."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             out += [(a.name, []) for a in node.names if a.name.split(".")[0] == "hf_zero3"]
         elif isinstance(node, ast.ImportFrom):

@@ -43,7 +43,7 @@ def test_zero3safe_takes_the_object_and_its_fields_as_keywords():
 def test_lockstep_stores_the_object_with_keywords_over_it():
     model = LlamaForCausalLM(models.tiny_llama_config())
     hf_zero3.lockstep(model, LockstepConfig(stop="fixed", bucket=32), graph_steps=4)
-    stored = hf_zero3.runtime_of(model).lockstep
+    stored = hf_zero3.runtime_of(model).generation.config
     assert (stored.stop, stored.bucket, stored.graph_steps) == ("fixed", 32, 4)
     with pytest.raises(ValueError, match="sync_every must be a positive int"):
         hf_zero3.lockstep(model, sync_every=0)

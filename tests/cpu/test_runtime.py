@@ -44,8 +44,8 @@ def _two_engines():
     rp, rr = runtime_of(policy), runtime_of(reference)
     out["distinct"] = rp is not rr and rp.engine is policy and rr.engine is reference
     out["keys"] = (rp.model_key(), rr.model_key())
-    out["gathers"] = (rp.last_generate.gather, rr.last_generate.gather)
-    out["lockstep"] = (rp.lockstep.sync_every, rr.lockstep.gather)
+    out["gathers"] = (rp.generation.last.gather, rr.generation.last.gather)
+    out["lockstep"] = (rp.generation.config.sync_every, rr.generation.config.gather)
     mark("the two engines in a different order on each rank")
     first, second = (policy, reference) if rank == 0 else (reference, policy)
     start = time.perf_counter()

@@ -34,7 +34,7 @@ def _train(build, tmpdir, **kwargs):
     trainer.train()
     out = trl_jobs._result(trainer)
     out["embedding_hooks"] = hooks.counts
-    last = hf_zero3.runtime_of(trainer.model).last_generate
+    last = hf_zero3.runtime_of(trainer.model).generation.last
     out["gather"] = last.gather if last is not None else None
     out["trainer_model"] = type(trainer.model).__name__
     trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]

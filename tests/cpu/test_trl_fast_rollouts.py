@@ -44,7 +44,7 @@ def _both_ways(tmpdir: str) -> dict:
             res = trl_jobs._result(trainer)
             out[name][way] = {k: res[k] for k in ("tokens", "loops", "losses")}
             rt = hf_zero3.runtime_of(trainer.model, create=False)
-            last = rt.last_generate if rt is not None else None
+            last = rt.generation.last if rt is not None else None
             out[name][way]["prefill"] = last.prefill if last is not None else None
             out[name][way]["step"] = last.step if last is not None else None
     mark("done")

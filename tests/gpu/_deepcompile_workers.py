@@ -225,7 +225,7 @@ def trainer_deepcompile(tmpdir: str, evaluate_first: bool = False):
     mark("trainer.train with eval every 3 steps")
     trainer.train()
     evals = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
-    planner = hf_zero3.runtime_of(trainer.model_wrapped).memory_plan
+    planner = hf_zero3.runtime_of(trainer.model_wrapped).memory.plan
     out.update(evals=evals, losses=_losses(trainer), plan=planner.summary() if planner else None)
     engine = trainer.model_wrapped
     out["optimizer_from_config"] = getattr(engine, "client_optimizer", "missing") is None
@@ -303,11 +303,11 @@ def padded_prompts_decode():
     mark("static loop over padded prompts, compiled prompt forward")
     with torch.no_grad():
         seq = hf_zero3.lockstep_generate(engine, **kw)
-        st = hf_zero3.runtime_of(engine.module).last_generate
+        st = hf_zero3.runtime_of(engine.module).generation.last
         out.update(loop=st.loop, decode=st.decode, prefill=st.prefill, prefill_reason=st.prefill_reason)
         mark("static loop over padded prompts, eager prompt forward")
         eager = hf_zero3.lockstep_generate(engine, decode_options=DecodeOptions(compile_prefill=False), **kw)
-        out["eager_prefill"] = hf_zero3.runtime_of(engine.module).last_generate.prefill
+        out["eager_prefill"] = hf_zero3.runtime_of(engine.module).generation.last.prefill
     out["first_token_agree"] = int((seq[:, width] == eager[:, width]).sum())
     out["sdpa"] = engine.module.config._attn_implementation == "sdpa"
     mark("training after the padded decode")

@@ -92,7 +92,7 @@ def accelerate_plugin(steps: int = 3):
         loss = engine(input_ids=ids, labels=ids).loss
         accelerator.backward(loss)  # accelerate's DeepSpeed wrapper also steps the engine
         losses.append(float(loss.item()))
-    planner = hf_zero3.runtime_of(engine).memory_plan
+    planner = hf_zero3.runtime_of(engine).memory.plan
     return dict(compiled=bool(engine.is_compiled), losses=losses, plan=planner.summary() if planner else None)
 
 

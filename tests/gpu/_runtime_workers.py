@@ -41,7 +41,7 @@ def two_deepcompile_engines():
         diffs=diffs,
         policy_plan=plan_p.summary(),
         reference_plan=plan_r.summary(),
-        own=(rt_p.memory_plan is plan_p, rt_r.memory_plan is plan_r, rt_p is not rt_r),
+        own=(rt_p.memory.plan is plan_p, rt_r.memory.plan is plan_r, rt_p is not rt_r),
     )
 
 
@@ -108,7 +108,7 @@ def grpo_deepcompile(tmpdir: str, gradient_checkpointing: bool = True):
         recompiles=recompiles[:8],
         deepcompile=rt.deepcompile_active(),
         plan=rt.memory_plan.summary() if rt.memory_plan else None,
-        gather=rt.last_generate.gather if rt.last_generate else None,
+        gather=rt.generation.last.gather if rt.generation.last else None,
     )
 
 
@@ -127,7 +127,7 @@ def grpo_compiled_decode(tmpdir: str, steps: int = 3, cuda: bool = True):
             self.seen = []
 
         def on_step_end(self, args, state, control, model=None, **kwargs):
-            g = hf_zero3.runtime_of(model).last_generate
+            g = hf_zero3.runtime_of(model).generation.last
             self.seen.append(
                 dict(
                     loop=g.loop,

@@ -64,7 +64,7 @@ def grpo_rollouts(tmpdir: str, deepcompile: bool, script: str | None = None) -> 
     reset = torch._dynamo.reset
 
     def reset_spy():
-        last = hf_zero3.runtime_of(trainer.model).last_generate
+        last = hf_zero3.runtime_of(trainer.model).generation.last
         resets.append(last.compiles if last is not None else 0)
         reset()
 
@@ -75,7 +75,7 @@ def grpo_rollouts(tmpdir: str, deepcompile: bool, script: str | None = None) -> 
     finally:
         torch._dynamo.reset = reset
     res = trl_jobs._result(trainer)
-    last = hf_zero3.runtime_of(trainer.model).last_generate
+    last = hf_zero3.runtime_of(trainer.model).generation.last
     evals = [v for h in res["logs"] for k, v in h.items() if k.startswith("eval_") and isinstance(v, float)]
     return dict(
         loops=res["loops"],
