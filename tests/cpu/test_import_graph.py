@@ -3,8 +3,9 @@ private names.
 
 Read from the source (nothing imported): every ``import`` / ``from ... import`` statement of every
 module under ``hf_zero3/``, at any depth (a function-level import is a dependency too; one under
-``if TYPE_CHECKING:`` is for annotations only and is not), resolved to the module it names. A cycle means two modules that cannot be understood, tested or changed apart;
-the fix is a layer, not a lazy import.
+``if TYPE_CHECKING:`` is for annotations only and is not), resolved to the module it names. A
+cycle means two modules that cannot be understood, tested or changed apart; the fix is a layer,
+not a lazy import.
 """
 
 from __future__ import annotations
