@@ -249,7 +249,7 @@ def plan_rows(model, call: dict | None = None) -> list[Row]:
     if decided.compiled:
         cache = StaticCache(config=model.config, max_cache_len=length)
         static_loop.ready_cache(model, cache, length, length)
-        kwargs = {"past_key_values": cache, "use_cache": True}
+        kwargs = {**hf_up.cache_arguments(cache), "use_cache": True}
         inputs = decode_plan.LoopInputs(generation_config, kwargs, length=length)
         decided = decode_plan.plan(model, request, gather=gather, model_kwargs=kwargs, loop=inputs)
     shown = ", ".join(f"{k}={v!r}" for k, v in {"decode": mode, "gather": gather, **call}.items())
