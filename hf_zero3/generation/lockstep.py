@@ -329,8 +329,8 @@ def lockstep(model, lockstep: LockstepConfig | None = None, **options):
     require("core")
     cfg = lockstep_config(lockstep, **options).validate()
     target = _generating_model(model)
+    set_lockstep_config(model, cfg)  # attaches the runtime first: a model it refuses keeps its class
     target.__class__ = lockstep_class(type(target))
-    set_lockstep_config(model, cfg)
     return model
 
 
