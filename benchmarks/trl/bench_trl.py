@@ -11,6 +11,9 @@ Settings (``BENCH_TRL_SETTINGS``, comma-separated; default all):
 ``trl_default`` (``ds3_gather_for_generation=True``, TRL's eager rollout: the baseline),
 ``trl_gather_off``, ``zero3safe`` and ``zero3safe_gather_off`` (``callbacks=[Zero3Safe()]``; its
 default ``decode="auto"`` takes hf_zero3's static loop in the gathered rollouts on CUDA), and
+``zero3safe_step_compiled`` / ``zero3safe_step_layers`` (``Zero3Safe`` with the rollouts'
+decode step compiled whole / as one compiled decoder layer for every layer, where the rollouts'
+default runs it eagerly: ``DecodeOptions.compile_step`` / ``compile_layers``) and
 ``zero3safe_deepcompile`` (the same under DeepCompile ZeRO-3, ``torch_compile=True``). The rollout
 phase is the time spent in ``generate()`` in a step, the fastest of steps 2-3 (``BENCH_STEPS``: steps a
 setting trains, default 3; ``first_rollout_s``: the first step's, compiles included); step: the
@@ -56,13 +59,15 @@ from common import record, scratch_dir, table, world_and_backend  # noqa: E402
 MAX_NEW = int(os.environ.get("BENCH_MAX_NEW", 128))
 TIMEOUT = float(os.environ.get("BENCH_TIMEOUT", 590))  # a part's hard limit: past it, each rank's stack is reported
 STEPS = int(os.environ.get("BENCH_STEPS", 3))  # GRPO steps a setting trains; the first warms up
-# name -> (ds3_gather_for_generation, Zero3Safe, DeepCompile)
+# name -> (ds3_gather_for_generation, Zero3Safe, DeepCompile, the rollouts' DecodeOptions fields)
 SETTINGS = {
-    "trl_default": (True, False, False),
-    "trl_gather_off": (False, False, False),
-    "zero3safe": (True, True, False),
-    "zero3safe_gather_off": (False, True, False),
-    "zero3safe_deepcompile": (True, True, True),
+    "trl_default": (True, False, False, {}),
+    "trl_gather_off": (False, False, False, {}),
+    "zero3safe": (True, True, False, {}),
+    "zero3safe_gather_off": (False, True, False, {}),
+    "zero3safe_step_compiled": (True, True, False, {"compile_step": True}),
+    "zero3safe_step_layers": (True, True, False, {"compile_step": True, "compile_layers": True}),
+    "zero3safe_deepcompile": (True, True, True, {}),
 }
 # GRPO's DeepSpeed config: "strict" (no persistence, prefetch or reuse: each forward all-gathers each
 # layer, as on a multi-billion-parameter model) or "deepspeed" (DeepSpeed's own stage-3 defaults and
@@ -129,6 +134,22 @@ def _eos_at_class():
     return EosAt
 
 
+def _call_record(last, seconds: float) -> dict:
+    """One generate() call's seconds and, for hf_zero3's loop, whether it reused the loop's buffers
+    and CUDA graphs or built and captured them again (a rollout slower than its neighbours says why)."""
+    row = {"s": round(seconds, 4)}
+    if last is not None and getattr(last, "loop", None) == "hf_zero3":
+        row.update(
+            loop_reused=last.loop_reused,
+            graphs_reused=last.graphs_reused,
+            graph_capture_s=round(last.graph_capture_s, 4),
+            compiles=getattr(last, "compiles", 0) or 0,
+            step=last.step,
+            graph_reason=last.graph_reason,
+        )
+    return row
+
+
 class _Timer:
     """Times generate() calls and the tokens they add; times whole optimizer steps, and the part of
     each outside the trainer's ``_prepare_inputs`` (TRL's rollout, scoring and gathering): its training."""
@@ -139,6 +160,7 @@ class _Timer:
         self.step_prepare, self.train_steps = 0.0, []  # _prepare_inputs seconds; step less them, per step
         self.step_compiles, self.compiles = 0, []  # Dynamo graphs the step's generate() calls compiled
         self.prompt_lengths = None  # the first rollout's prompt lengths without padding: [shortest, longest]
+        self.calls = []  # per generate() call: its seconds and what hf_zero3's loop reused or redid
 
     def _timed(self, fn, *args, **kwargs):
         """``fn(*args, **kwargs)`` and its seconds, the device synchronized on both sides."""
@@ -157,6 +179,7 @@ class _Timer:
             self.step_gen += dt
             last = getattr(model, "hf_zero3_last_generate", None)
             self.step_compiles += getattr(last, "compiles", 0) or 0
+            self.calls.append(_call_record(last, dt))
             prompt = kwargs["input_ids"].shape[1] if "input_ids" in kwargs else args[0].shape[1]
             mask = kwargs.get("attention_mask")
             if self.prompt_lengths is None and mask is not None:
@@ -212,10 +235,11 @@ def grpo_rank(tmpdir: str):
     completions = int(os.environ.get("BENCH_COMPLETIONS", 64 if cuda else 8))
     rows = []
     for name in _asked:
-        gather, fixed, deepcompile = SETTINGS[name]
+        gather, fixed, deepcompile, decode = SETTINGS[name]
         mark(f"grpo {name}")
         timer = _Timer(sync)
-        callbacks = [timer.callback()] + ([hf_zero3.Zero3Safe()] if fixed else [])
+        options = {"decode_options": hf_zero3.DecodeOptions(**decode)} if decode else {}
+        callbacks = [timer.callback()] + ([hf_zero3.Zero3Safe(**options)] if fixed else [])
         # bf16 as TRL's and accelerate's DeepSpeed configs set it (without the key DeepSpeed trains fp32)
         ds = trainer_zero3_config(extra={"bf16": {"enabled": "auto"}})
         if ZERO3 == "deepspeed":
@@ -273,6 +297,7 @@ def grpo_rank(tmpdir: str):
                 gather=gather,
                 zero3safe=fixed,
                 deepcompile=deepcompile,
+                decode_options=decode,
                 completions=completions,
                 rank=dist.get_rank(),
                 loop=last.loop if last is not None else "transformers",
@@ -289,6 +314,7 @@ def grpo_rank(tmpdir: str):
                 rollout_s=min(timer.gen_steps[1:]),
                 first_rollout_s=timer.gen_steps[0],
                 rollout_s_all=timer.gen_steps,
+                generate_calls=timer.calls,
                 step_s_all=timer.steps,
                 compiles_per_step=timer.compiles,
                 generate_s=timer.gen_s,
