@@ -371,7 +371,7 @@ def _raise_plan_errors_from_forward(engine, rt) -> None:
     forward = engine.forward
 
     def checked_forward(*args, **kwargs):
-        planner = rt.memory_plan
+        planner = rt.memory.plan
         if planner is not None and torch.is_grad_enabled():
             planner.before_forward()
         out = forward(*args, **kwargs)
@@ -386,7 +386,7 @@ def _raise_plan_errors_from_forward(engine, rt) -> None:
         return
 
     def measured_step(*args, **kwargs):
-        planner = rt.memory_plan
+        planner = rt.memory.plan
         if planner is None:
             return step(*args, **kwargs)
         boundary = accumulation_boundary(engine)  # before step() advances it; equal on every rank

@@ -167,3 +167,38 @@ def test_each_runtime_record_has_one_writer():
     runtime = (PACKAGE / "runtime.py").read_text(encoding="utf-8")
     for record, module in RECORD_WRITERS.items():
         assert f"written by :mod:`{module}` alone" in runtime, record
+
+
+def test_every_runtime_access_names_an_attribute_the_runtime_has():
+    """``rt.<name>`` and ``rt.<record>.<field>`` in the package name what :class:`Runtime` and its
+    records define: a renamed field read only on a GPU path (DeepCompile's forward wrapper) fails
+    here, not in a user's first compiled step."""
+    import dataclasses
+
+    import torch
+
+    from hf_zero3 import runtime
+
+    state = vars(runtime.Runtime(torch.nn.Identity()))
+    top = set(dir(runtime.Runtime)) | set(state)
+    records = {
+        name: {f.name for f in dataclasses.fields(type(value))} | set(dir(type(value)))
+        for name, value in state.items()
+        if dataclasses.is_dataclass(value)
+    }
+    assert set(records) == set(RECORD_WRITERS), records
+    unknown, seen = [], 0
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "rt"):
+                continue
+            seen += 1
+            if node.attr not in top:
+                unknown.append(f"{name}:{node.lineno} rt.{node.attr}")
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            inner = node.value if isinstance(node, ast.Attribute) else None
+            if isinstance(inner, ast.Attribute) and isinstance(inner.value, ast.Name) and inner.value.id == "rt":
+                if inner.attr in records and node.attr not in records[inner.attr]:
+                    unknown.append(f"{name}:{node.lineno} rt.{inner.attr}.{node.attr}")
+    assert seen > 20  # the scan reads the package's runtime accesses
+    assert not unknown, unknown

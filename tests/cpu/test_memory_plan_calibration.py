@@ -6,6 +6,8 @@ DeepCompile's ``set_persistent`` all-gathers), so ranks that decided differently
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from hf_zero3.testing import DistributedFailure, run_ranks
@@ -69,8 +71,6 @@ def _calibrating_rank(
     the profile's plus ``extra_peak[rank]``), run it again twice, rank 1 peaking ``jump`` bytes
     higher at the last step. ``agree=False``: the planner's group is this rank alone, so it decides
     from its own peaks (the negative control)."""
-    from types import SimpleNamespace
-
     import torch.distributed as dist
     from fixtures.fx_profile import STAND_IN_OPS, collective_issue, record_tiny_backward
     from torch.fx import Interpreter
@@ -215,8 +215,6 @@ def test_a_rank_local_calibration_breaks_the_group():
 def _planned_pass(gid: int):
     """A pass that planned the recorded graph (graph ``gid``), every rank reading the same memory
     and peaks (the world group agrees)."""
-    from types import SimpleNamespace
-
     from fixtures.fx_profile import STAND_IN_OPS, record_tiny_backward
 
     from hf_zero3.compile import MemoryPlanConfig
@@ -271,8 +269,6 @@ def test_accumulation_micro_steps_and_a_failing_step_keep_the_ranks_together():
 def _step_wrapper_rank():
     """The engine.step wrapper apply_memory_plan installs: it asks the engine whether the step ends
     an accumulation cycle (before stepping), measures only those, and shares a step's exception."""
-    from types import SimpleNamespace
-
     import torch.distributed as dist
 
     from hf_zero3.compile.memory_plan import _raise_plan_errors_from_forward
@@ -295,7 +291,7 @@ def _step_wrapper_rank():
                 raise RuntimeError("CUDA out of memory (simulated) on rank 1")
 
     engine = Engine()
-    _raise_plan_errors_from_forward(engine, SimpleNamespace(memory_plan=plan_pass))
+    _raise_plan_errors_from_forward(engine, _runtime_holding(plan_pass))
     out = {}
     try:
         for _ in range(8):
@@ -314,3 +310,17 @@ def test_the_step_wrapper_measures_optimizer_steps_and_shares_a_failing_one():
     for r in (r0, r1):
         assert r["micro"] == 6 and r["measured"] == 1, r
         assert "simulated) on rank 1" in r["error"] and r["is_runtime_error"], r
+
+
+def _runtime_holding(plan_pass):
+    """A real Runtime (of a stand-in module) whose memory plan is ``plan_pass``, as
+    ``apply_memory_plan`` leaves it: the wrappers read the plan from the runtime's record."""
+    import torch
+
+    from hf_zero3.runtime import Runtime
+
+    module = torch.nn.Linear(1, 1)
+    rt = Runtime(module)
+    rt.memory.plan = plan_pass
+    rt.keep = module  # the runtime holds its model weakly
+    return rt
