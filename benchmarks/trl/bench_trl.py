@@ -142,6 +142,7 @@ def _call_record(last, seconds: float) -> dict:
         row.update(
             loop_reused=last.loop_reused,
             graphs_reused=last.graphs_reused,
+            graphs_moved=list(last.graphs_moved),
             graph_capture_s=round(last.graph_capture_s, 4),
             compiles=getattr(last, "compiles", 0) or 0,
             step=last.step,

@@ -71,6 +71,7 @@ class DecodeLoop:
         self.cache_ptrs = None  # the cache tensors the graphs were captured with
         self.cache_small = None  # per layer, its small tensors (length counters) the graphs read
         self.cache_big = None  # per layer, the addresses of its other tensors (keys, values)
+        self.moved: tuple[str, ...] = ()  # this call: what kept graphs read that moved (they were dropped)
         self.warm = False  # a step ran (compiled, warmed up for capture) in this or an earlier call
         self.compile_step = compile_step  # DecodeOptions.compile_step: off, the model's forward runs the steps
         self.compiled = True  # False: the step's forward did not compile and runs eagerly, uncaptured
@@ -146,6 +147,20 @@ class DecodeLoop:
         self.logits.end()
         self.model = self.cache = self.prompt = self.processors = self.call = None
 
+    def _moved(self, ptrs: tuple, big: tuple) -> tuple[str, ...]:
+        """What the kept graphs were captured with that this call holds elsewhere (``ptrs``, ``big``:
+        :meth:`bind_cache`'s): the cache's keys and values, its other tensors, a feature's copy."""
+        n = len(self.cache.layers)
+        moved = []
+        if big != self.cache_big:
+            moved.append("cache keys/values")
+        if ptrs[: n + 1] != self.cache_ptrs[: n + 1] and big == self.cache_big:
+            moved.append("cache counters")
+        for f, now, then in zip(self.features, ptrs[n + 1 :], self.cache_ptrs[n + 1 :]):
+            if now != then:
+                moved.append(type(f).__name__)
+        return tuple(moved)
+
     def bind_cache(self) -> None:
         """After the prefill (a static cache allocates its tensors at its first update): graphs
         captured with other cache tensors are dropped. Every tensor a layer holds counts, not only
@@ -174,7 +189,10 @@ class DecodeLoop:
             + (_tensor_ptrs(self.cache),)
             + tuple(f.address for f in self.features)
         )
+        self.moved = ()
         if ptrs != self.cache_ptrs:
+            if self.graphs:
+                self.moved = self._moved(ptrs, big)
             self.graphs.clear()
             self.warm = False  # the next step runs uncaptured (any recompile happens outside a capture)
             self.cache_ptrs, self.cache_big = ptrs, big

@@ -153,6 +153,7 @@ def decode(
                     graph_reason=NO_GRAPHS.get(model),
                     loop_reused=kept,
                     graphs_reused=runner.reused,
+                    graphs_moved=loop.moved,
                     prefill=prefill,
                     prefill_reason=PREFILL_FAILED.get(model),
                     step=loop.step_kind,

@@ -34,6 +34,7 @@ class LoopStats:
     graph_reason: str | None = None  # why the steps were not captured as CUDA graphs (None: they were, or not asked)
     loop_reused: bool = False  # the static loop's buffers came from an earlier call (see hf_zero3.decode.static_loop)
     graphs_reused: bool = False  # replayed CUDA graphs an earlier call captured (same parameters, cache, state)
+    graphs_moved: tuple[str, ...] = ()  # what the kept graphs read that this call held elsewhere, so it captured anew
     prefill: str | None = None  # the static loop's prompt forward: "compiled", "layers" or "eager" (None: not its loop)
     prefill_reason: str | None = None  # why it ran eagerly (None: compiled, or compile_prefill=False)
     step: str | None = None  # the static loop's decode steps: "compiled", "layers" or "eager" (None: not its loop)

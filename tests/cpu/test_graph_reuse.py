@@ -67,6 +67,12 @@ def test_graphs_are_kept_only_while_the_cache_tensors_are_those_captured(parts):
     loop.bind_cache()
     assert loop.graphs == {} and not loop.warm
     assert layer.cumulative_length is own and int(captured) == 5
+    assert loop.moved == ("cache keys/values",)  # the report's graphs_moved: why this call captured anew
+    loop.bind_cache()  # nothing was captured since: nothing to say moved
+    assert loop.moved == ()
+    loop.graphs[1] = "captured"
+    loop.bind_cache()
+    assert loop.moved == () and loop.graphs == {1: "captured"}
 
 
 def test_the_key_follows_parameters_state_hooks_and_processors(parts):
@@ -225,3 +231,27 @@ def test_a_compiled_prompt_forward_that_fails_as_it_runs_is_run_eagerly_on_an_em
     later = StaticCache(config=model.config, max_cache_len=16)
     with torch.no_grad():  # the model's later calls go straight to the eager prompt forward
         assert run_prefill(model, ids, mask, positions, later)[1] == "eager"
+
+
+def test_the_report_names_a_feature_copy_that_moved(parts):
+    """A feature's per-call copy (the fused q/k/v weights) at another address drops the graphs, and
+    ``graphs_moved`` names that feature, not the cache."""
+    from hf_zero3.decode.features import Feature
+    from hf_zero3.decode.loop import DecodeLoop
+
+    class WeightCopy(Feature):
+        at = 1000
+
+        @property
+        def address(self) -> int:
+            return self.at
+
+    model, cache, ids, _ = parts
+    copy = WeightCopy()
+    loop = DecodeLoop(2, 16, ids.device, None, False, parts=[copy])
+    loop.cache = cache
+    loop.bind_cache()
+    loop.graphs[1] = "captured"
+    copy.at = 2000
+    loop.bind_cache()
+    assert loop.graphs == {} and loop.moved == ("WeightCopy",)
