@@ -42,7 +42,7 @@ def main():
         )
         if step == 9:
             break
-    plan = hf_zero3.runtime_of(engine).memory_plan
+    plan = hf_zero3.runtime_of(engine).memory.plan
     accelerator.print("memory plan:", plan.summary() if plan else None, "gate:", counters())
 
 

@@ -179,7 +179,7 @@ def main():
     )
     trainer.train()
 
-    last = hf_zero3.runtime_of(trainer.model).last_generate
+    last = hf_zero3.runtime_of(trainer.model).generation.last
     losses = [round(h["loss"], 8) for h in trainer.state.log_history if "loss" in h]
     tool_calls = [h["tools/call_frequency"] for h in trainer.state.log_history if "tools/call_frequency" in h]
     for r in range(world):  # one line per rank, in rank order

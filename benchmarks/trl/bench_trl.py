@@ -291,7 +291,8 @@ def grpo_rank(tmpdir: str):
 
         trainer.training_step = training_step
         trainer.train()
-        last = getattr(hf_zero3.runtime_of(trainer.model, create=False), "last_generate", None)
+        rt = hf_zero3.runtime_of(trainer.model, create=False)
+        last = rt.generation.last if rt is not None else None
         rows.append(
             dict(
                 setting=name,

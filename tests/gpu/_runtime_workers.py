@@ -107,7 +107,7 @@ def grpo_deepcompile(tmpdir: str, gradient_checkpointing: bool = True):
         graphs=graphs.counts,
         recompiles=recompiles[:8],
         deepcompile=rt.deepcompile_active(),
-        plan=rt.memory_plan.summary() if rt.memory_plan else None,
+        plan=rt.memory.plan.summary() if rt.memory.plan else None,
         gather=rt.generation.last.gather if rt.generation.last else None,
     )
 
