@@ -138,13 +138,13 @@ def _call_record(last, seconds: float) -> dict:
     """One generate() call's seconds and, for hf_zero3's loop, whether it reused the loop's buffers
     and CUDA graphs or built and captured them again (a rollout slower than its neighbours says why)."""
     row = {"s": round(seconds, 4)}
-    if last is not None and getattr(last, "loop", None) == "hf_zero3":
+    if last is not None and last.loop == "hf_zero3":
         row.update(
             loop_reused=last.loop_reused,
             graphs_reused=last.graphs_reused,
             graphs_moved=list(last.graphs_moved),
             graph_capture_s=round(last.graph_capture_s, 4),
-            compiles=getattr(last, "compiles", 0) or 0,
+            compiles=last.compiles,
             step=last.step,
             graph_reason=last.graph_reason,
         )

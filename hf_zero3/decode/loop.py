@@ -154,7 +154,7 @@ class DecodeLoop:
         moved = []
         if big != self.cache_big:
             moved.append("cache keys/values")
-        if ptrs[: n + 1] != self.cache_ptrs[: n + 1] and big == self.cache_big:
+        elif ptrs[: n + 1] != self.cache_ptrs[: n + 1]:
             moved.append("cache counters")
         for f, now, then in zip(self.features, ptrs[n + 1 :], self.cache_ptrs[n + 1 :]):
             if now != then:

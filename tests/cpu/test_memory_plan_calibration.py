@@ -270,6 +270,7 @@ def _step_wrapper_rank():
     """The engine.step wrapper apply_memory_plan installs: it asks the engine whether the step ends
     an accumulation cycle (before stepping), measures only those, and shares a step's exception."""
     import torch.distributed as dist
+    from fixtures.fx_profile import runtime_holding
 
     from hf_zero3.compile.memory_plan import _raise_plan_errors_from_forward
 
@@ -291,7 +292,7 @@ def _step_wrapper_rank():
                 raise RuntimeError("CUDA out of memory (simulated) on rank 1")
 
     engine = Engine()
-    _raise_plan_errors_from_forward(engine, _runtime_holding(plan_pass))
+    _raise_plan_errors_from_forward(engine, runtime_holding(plan_pass))
     out = {}
     try:
         for _ in range(8):
@@ -310,17 +311,3 @@ def test_the_step_wrapper_measures_optimizer_steps_and_shares_a_failing_one():
     for r in (r0, r1):
         assert r["micro"] == 6 and r["measured"] == 1, r
         assert "simulated) on rank 1" in r["error"] and r["is_runtime_error"], r
-
-
-def _runtime_holding(plan_pass):
-    """A real Runtime (of a stand-in module) whose memory plan is ``plan_pass``, as
-    ``apply_memory_plan`` leaves it: the wrappers read the plan from the runtime's record."""
-    import torch
-
-    from hf_zero3.runtime import Runtime
-
-    module = torch.nn.Linear(1, 1)
-    rt = Runtime(module)
-    rt.memory.plan = plan_pass
-    rt.keep = module  # the runtime holds its model weakly
-    return rt

@@ -51,10 +51,12 @@ def _pass_rank(limit_slack: int):
             def forward(self, x):
                 return x
 
+        from fixtures.fx_profile import runtime_holding
+
         from hf_zero3.compile.memory_plan import _raise_plan_errors_from_forward
 
         engine = Engine()
-        _raise_plan_errors_from_forward(engine, _runtime_holding(plan_pass))
+        _raise_plan_errors_from_forward(engine, runtime_holding(plan_pass))
         try:
             engine.forward(1)
         except Exception as exc:  # noqa: BLE001
@@ -126,17 +128,3 @@ def test_a_planning_failure_on_one_rank_leaves_the_graph_unplanned_on_every_rank
     for r in run_ranks(_one_rank_fails_while_planning, 2, timeout=120, pg_timeout=20):
         assert r["out"] and r["untouched"] and r["graphs"] == 0
         assert "RankRuntimeError" in r["error"] and "cudaMemGetInfo failed on rank 1" in r["error"], r["error"]
-
-
-def _runtime_holding(plan_pass):
-    """A real Runtime (of a stand-in module) whose memory plan is ``plan_pass``, as
-    ``apply_memory_plan`` leaves it: the wrappers read the plan from the runtime's record."""
-    import torch
-
-    from hf_zero3.runtime import Runtime
-
-    module = torch.nn.Linear(1, 1)
-    rt = Runtime(module)
-    rt.memory.plan = plan_pass
-    rt.keep = module  # the runtime holds its model weakly
-    return rt
