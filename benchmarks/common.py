@@ -51,6 +51,23 @@ _NOT_COMMAND = ("BENCH_RESULTS",)  # where rows go, not what they measure
 _RUN = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
 
 
+#: the model shapes the decode benchmarks build (``hf_zero3.testing.models``' config functions)
+SHAPES = {
+    "qwen2-0.5b": "qwen2_0_5b_shape_config",
+    "llama-1b": "llama_1b_shape_config",
+    "llama-8b": "llama_8b_shape_config",
+}
+
+
+def shape_config(name: str):
+    """The config of model shape ``name`` (:data:`SHAPES`); an unknown name stops the benchmark."""
+    if name not in SHAPES:
+        raise SystemExit(f"unknown model shape {name!r}; known: {', '.join(SHAPES)}")
+    from hf_zero3.testing import models
+
+    return getattr(models, SHAPES[name])()
+
+
 def world_and_backend(max_gpus: int = 2):
     import torch
 

@@ -20,12 +20,17 @@ Rows (``config``):
 name given twice is measured twice (the second row's name gets ``#2``): the host's drift within one
 process. The ratio columns need both HF rows in the run.
 
+``agree``: the mean over rows of the share of new tokens equal to the first configuration's
+(``agree_with``; HF eager's by default) before the first difference (bf16 on random weights: near
+ties part them; transformers' static cache parts from eager as soon).
+
 Rows end at rank-dependent lengths: ``useful_tokens`` counts each row up to its own target length
 (drawn per rank, row 0 of rank 0 runs all 128), and every configuration runs the 128 decode
 forwards that such a group runs, without EOS. (A Python stopping criterion would move every
 configuration onto transformers' loop, so the lengths are applied in the count, not in the loop.)
 
-Model: Llama-3.2-1B shape in code (random weights, bf16) under ZeRO-3 on every GPU (up to 2), 64
+Model: Llama-3.2-1B shape in code (``BENCH_SHAPE``: ``llama-1b``, ``llama-8b``, ``qwen2-0.5b``;
+random weights, bf16) under ZeRO-3 on every GPU (up to 2), 64
 -token prompts (``BENCH_PROMPTS=padded``: left-padded prompts of 32-64 tokens with their attention
 mask, as a chat template's prompts reach a rollout), greedy. Each configuration runs once to
 compile, then ``BENCH_REPS`` more times
@@ -52,7 +57,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from common import record, scratch_dir, set_switches, table, world_and_backend  # noqa: E402
+from common import SHAPES, record, scratch_dir, set_switches, shape_config, table, world_and_backend  # noqa: E402
 
 MAX_NEW = int(os.environ.get("BENCH_MAX_NEW", 128))
 REPS = int(os.environ.get("BENCH_REPS", 5))  # timed calls after the compiling one
@@ -61,6 +66,9 @@ PROMPT = 64
 # "fixed": every row a PROMPT-token prompt; "padded": left-padded prompts of PROMPT/2..PROMPT tokens
 # with their attention mask, as a chat template's prompts reach a rollout (a padding mask also
 # selects another attention kernel for the prompt forward)
+SHAPE = os.environ.get("BENCH_SHAPE", "llama-1b")
+if SHAPE not in SHAPES:
+    raise SystemExit(f"BENCH_SHAPE takes one of {', '.join(SHAPES)}, not {SHAPE!r}")
 PROMPTS = os.environ.get("BENCH_PROMPTS", "fixed")
 if PROMPTS not in ("fixed", "padded"):
     raise SystemExit(f"BENCH_PROMPTS takes fixed or padded, not {PROMPTS!r}")
@@ -110,7 +118,7 @@ def rank_main(partial: str):
 
     rank = dist.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device())
-    cfg = models.llama_1b_shape_config()
+    cfg = shape_config(SHAPE)
     ds = strict_zero3_config(world_size=dist.get_world_size(), bf16=True)
     model = models.zero3_model(cfg, ds, dtype=torch.bfloat16)
     engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
@@ -146,6 +154,7 @@ def rank_main(partial: str):
         targets[0] = MAX_NEW if rank == 0 else targets[0]
         useful = int(targets.sum())
         seen: dict = {}
+        reference = None  # the first row's new tokens (HF eager's when it runs): what ``agree`` compares with
         for name in CONFIGS:
             seen[name] = seen.get(name, 0) + 1
             label = name if seen[name] == 1 else f"{name}#{seen[name]}"
@@ -167,6 +176,10 @@ def rank_main(partial: str):
                 captures.append(getattr(getattr(module, "hf_zero3_last_generate", None), "graph_capture_s", None))
                 if rep == 0:
                     first_capture = getattr(getattr(module, "hf_zero3_last_generate", None), "graph_capture_s", None)
+            gen = outs[-1][:, -MAX_NEW:].cpu()
+            reference = gen if reference is None else reference
+            same = (gen == reference).int()
+            agree = float(torch.where(same.all(1), MAX_NEW, (1 - same).argmax(1)).float().mean() / MAX_NEW)
             timed = sorted(times[1:])
             median = statistics.median(timed)
             tot = torch.tensor([useful, median, timed[0]], dtype=torch.float64, device=dev)
@@ -199,6 +212,8 @@ def rank_main(partial: str):
                     rope_attention=getattr(report, "rope_attention", None),
                     dependent_launches=getattr(report, "dependent_launches", None),
                     same_tokens_both_calls=all(torch.equal(outs[0], o) for o in outs[1:]),
+                    agree=agree,
+                    agree_with=CONFIGS[0],
                     forwards=getattr(stats, "forwards", None),
                     compiles=getattr(stats, "compiles", None),
                     weight_bytes=n_bytes,
@@ -244,11 +259,12 @@ def main():
             r["vs_hf_static"] = r["tokens_per_s"] / base["hf_static_gathered"]["tokens_per_s"]
     setup = dict(
         world=world,
-        model="llama-3.2-1b-shape",
+        model="llama-3.2-1b-shape" if SHAPE == "llama-1b" else SHAPE + "-shape",
         dtype="bf16",
         max_new_tokens=MAX_NEW,
         prompt=PROMPT,
         prompts=PROMPTS,
+        shape=SHAPE,
         batches=BATCHES,
         reps=REPS,
         hbm_tbps=bw / 1e12,
@@ -270,6 +286,7 @@ def main():
                 "compile_s",
                 "graphs_reused",
                 "forwards",
+                "agree",
             ],
         )
     )

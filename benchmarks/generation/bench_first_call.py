@@ -30,13 +30,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from common import record, table  # noqa: E402
+from common import SHAPES, record, shape_config, table  # noqa: E402
 
-SHAPES = {
-    "qwen2-0.5b": "qwen2_0_5b_shape_config",
-    "llama-1b": "llama_1b_shape_config",
-    "llama-8b": "llama_8b_shape_config",
-}
 BATCH = int(os.environ.get("BENCH_BATCH", 64))
 PROMPT, MAX_NEW = 64, 128
 _asked = os.environ.get("BENCH_SHAPES", ",".join(SHAPES)).split(",")
@@ -93,7 +88,7 @@ def rank_main(shape: str) -> dict:
     tuned, chosen = _autotune_timer()
     graph_s = _graph_timer()
     dev = torch.device("cuda", torch.cuda.current_device())
-    cfg = getattr(models, SHAPES[shape])()
+    cfg = shape_config(shape)
     ds = strict_zero3_config(world_size=1, bf16=True)
     t = time.perf_counter()
     model = models.zero3_model(cfg, ds, dtype=torch.bfloat16)

@@ -3,7 +3,7 @@ loop's own phase ranges (``hf_zero3.<phase>``: hf_zero3/decode/phases.py): the p
 the kernels of one decode step and of the prompt's forward, the cost of the CUDA-graph sizes,
 compile modes, and whether a later call replays the graphs an earlier one captured.
 
-Same model and setup as ``bench_decode.py`` (Llama-3.2-1B shape, bf16, ZeRO-3, 64-token prompts,
+Same model and setup as ``bench_decode.py`` (Llama-3.2-1B shape or ``BENCH_SHAPE``'s, bf16, ZeRO-3, 64-token prompts,
 128 new tokens, one rank). A diagnosis tool, not a benchmark: a traced call runs ~25 % slower.
 Prints one JSON object per measurement (``^{``) and writes them to ``profile_decode.json`` in
 ``benchmarks/out`` (``$BENCH_RESULTS`` when set).
@@ -39,7 +39,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from common import command, environment, scratch_dir, set_switches, world_and_backend  # noqa: E402
+from common import command, environment, scratch_dir, set_switches, shape_config, world_and_backend  # noqa: E402
 
 MAX_NEW, PROMPT = 128, 64
 MODES = os.environ.get("PROFILE_MODES", "default,max-autotune").split(",")
@@ -61,7 +61,7 @@ def rank_main():
     if unknown:
         raise RuntimeError(f"profile_decode reads ranges the loop no longer opens: {sorted(unknown)}")
     dev = torch.device("cuda", torch.cuda.current_device())
-    cfg = models.llama_1b_shape_config()
+    cfg = shape_config(os.environ.get("BENCH_SHAPE", "llama-1b"))
     ds = strict_zero3_config(world_size=1, bf16=True)
     model = models.zero3_model(cfg, ds, dtype=torch.bfloat16)
     engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
