@@ -28,7 +28,7 @@ from . import native_gate
 from ._upstream import deepspeed as ds_up
 from ._upstream import transformers as hf_up
 from ._upstream import versions
-from .decode import families, fused_qkv, gqa_attention, mlp_kernels, ring_cache, static_loop
+from .decode import families, fused_qkv, gqa_attention, mlp_kernels, norm_kernel, ring_cache, static_loop
 from .decode import plan as decode_plan
 from .gathering import GATHER_MODES
 from .kernels import gqa_decode, triton_launch
@@ -224,6 +224,9 @@ def model_rows(source: str, call: dict | None = None) -> list[Row]:
     mlps = [n for n, m in model.named_modules() if mlp_kernels.applies(m)]
     rows.append(Row("MLP kernels", f"{len(mlps)} MLP modules", OK if mlps else WARN))
     rows.append(Row("fused q/k/v", f"{len(fused_qkv.plan(model))} attention modules", OK))
+    norms = [n for n, m in model.named_modules() if norm_kernel.applies(m)]
+    eager = "where the decode step runs eagerly"
+    rows.append(Row("norm kernel", f"{len(norms)} RMSNorms", OK if norms else WARN, eager))
     rows += _family_rows(model)
     for why in families.fallbacks(model):
         rows.append(Row("fallback", "model's own code", WARN, why))

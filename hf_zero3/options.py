@@ -81,6 +81,9 @@ class DecodeOptions:
         triton_qkv: with dependent launches, the fused q/k/v projection of a rope-kernel module
             runs the split-K Triton GEMM and the kernel sums its partials (``HF_ZERO3_TRITON_QKV``;
             default on).
+        triton_norm: where the decode step runs eagerly (``compile_step`` off), each RMSNorm of a
+            checked family as one Triton kernel instead of transformers' eight
+            (``HF_ZERO3_TRITON_NORM``; default on; a compiled step fuses the norms itself).
         dependent_launches: decode-step kernels as programmatic dependent launches: ``"auto"``
             where the GPU and Triton can (compute capability 9.0+), ``"on"`` the same with a
             warning where they cannot, ``"off"`` never (``HF_ZERO3_PDL``: one of them or a switch,
@@ -120,6 +123,9 @@ class DecodeOptions:
     )
     triton_qkv: bool | None = _option(
         "HF_ZERO3_TRITON_QKV", True, "fused q/k/v as split-K partials summed in the rope kernel"
+    )
+    triton_norm: bool | None = _option(
+        "HF_ZERO3_TRITON_NORM", True, "an eager decode step's RMSNorms as one kernel each"
     )
     dependent_launches: str | None = _option(
         "HF_ZERO3_PDL", "auto", "decode kernels as programmatic dependent launches", ("auto", "on", "off")

@@ -211,6 +211,12 @@ CHECKED_SOURCES = {
     "transformers.models.mistral.modeling_mistral.MistralMLP.forward": "4a9e0f851f1aaf4d",
     "transformers.models.qwen2.modeling_qwen2.Qwen2MLP.forward": "4a9e0f851f1aaf4d",
     "transformers.models.qwen3.modeling_qwen3.Qwen3MLP.forward": "4a9e0f851f1aaf4d",
+    # 5.17-5.25: the Llama RMSNorm and its copies
+    "transformers.models.llama.modeling_llama.LlamaRMSNorm.forward": "fcd67d29c071c6be",
+    "transformers.models.mistral.modeling_mistral.MistralRMSNorm.forward": "fcd67d29c071c6be",
+    "transformers.models.qwen2.modeling_qwen2.Qwen2RMSNorm.forward": "fcd67d29c071c6be",
+    "transformers.models.qwen3.modeling_qwen3.Qwen3RMSNorm.forward": "fcd67d29c071c6be",
+    "transformers.models.phi3.modeling_phi3.Phi3RMSNorm.forward": "fcd67d29c071c6be",
     # 5.23-5.25, 5.17 (annotated FloatTensor)
     "transformers.models.phi3.modeling_phi3.Phi3MLP.forward": ("e5412905c5590476", "424174e77d92dbf7"),
     # 5.25 (the cache keyword ``cache``), 5.23 (also clears ``next_sequence_length``), 5.17

@@ -7,7 +7,7 @@ model once per call after the prompt's forward (:meth:`~Feature.bind`: what stil
 call's weight copies), entered around every decode step (:meth:`~Feature.use`), and reported into
 the call's one :class:`DecodeReport` (``hf_zero3_last_generate.decode_report``). :func:`plan`
 builds them in the order they depend on each other: dependent launches, the attention, the fused
-q/k/v projection, the MLP kernels, the rope attention, and the compiled layers.
+q/k/v projection, the MLP kernels, the rope attention, the norm kernel, and the compiled layers.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from ..kernels import decode_gemm
 from ..options import DecodeOptions
-from . import fused_qkv, gqa_attention, layer_compile, mlp_kernels
+from . import fused_qkv, gqa_attention, layer_compile, mlp_kernels, norm_kernel
 from .compiled import compiled_layer
 
 log = logging.getLogger("hf_zero3.generation")
@@ -35,6 +35,7 @@ class DecodeReport:
     split_k: int = 0  # projections (down, o_proj) through the split-K GEMM
     rope_attention: int = 0  # attention modules that rotated, wrote the cache and attended in one kernel
     compiled_layers: int = 0  # decoder layers that ran one compiled layer (DecodeOptions.compile_layers)
+    norm_kernels: int = 0  # RMSNorms an eager step ran through the Triton norm kernel (DecodeOptions.triton_norm)
     dependent_launches: bool = False  # the steps' kernels were programmatic dependent launches
     qkv_partials: bool = False  # fused q/k/v ran split-K into the rope kernel, which summed the partials
     fallbacks: tuple[str, ...] = ()  # parts of the model family's fast path left to its own code, and why
@@ -193,6 +194,32 @@ class RopeAttention(Feature):
         self.bound, self.rotaries = [], []
 
 
+class NormKernel(Feature):
+    """An eager step's RMSNorms through the Triton norm kernel (:mod:`.norm_kernel`); a compiled
+    step or layer fuses them itself, so the norms are patched only around steps that run eagerly."""
+
+    def __init__(self, names: tuple[str, ...]):
+        self.names = names
+        self.bound: list = []
+        self.count = 0  # the norms this call's eager steps ran through the kernel
+
+    def bind(self, model, cache) -> None:
+        self.bound = norm_kernel.bind(model, self.names)
+        self.count = 0
+
+    def use(self, loop):
+        if loop.step_kind != "eager" or not self.bound:
+            return contextlib.nullcontext()
+        self.count = len(self.bound)
+        return norm_kernel.use(self.bound)
+
+    def report(self, into: DecodeReport, compiled: bool) -> None:
+        into.norm_kernels = self.count
+
+    def end(self) -> None:
+        self.bound = []  # the count stays: the call's report reads it after its end
+
+
 class CompiledLayers(Feature):
     """The compiled decode step as one compiled decoder layer run by every layer
     (:mod:`.layer_compile`; ``name``: the layers' ``ModuleList``, None: the step compiles whole).
@@ -231,7 +258,8 @@ def plan(model, device, attention: str | None, options: DecodeOptions) -> list[F
     mlp = MLPKernels(mlp_kernels.plan(model, device, split) if options.triton_mlp else (), split, dependent.on)
     rope = gqa_attention.rope_plan(model, attention) if options.fuse_rope else ()
     qkv_op = gqa_attention.rope_qkv(device, dependent.on) if rope and qkv.fused.names and options.triton_qkv else None
-    parts = [dependent, Attention(attention), qkv, mlp, RopeAttention(rope, dependent.on, qkv_op, qkv)]
+    norms = NormKernel(norm_kernel.plan(model, device) if options.triton_norm else ())
+    parts = [dependent, Attention(attention), qkv, mlp, RopeAttention(rope, dependent.on, qkv_op, qkv), norms]
     if options.compile_step and options.compile_layers:
         name, why = layer_compile.plan(model)
         if why is not None:

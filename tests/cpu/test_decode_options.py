@@ -27,6 +27,7 @@ def test_defaults_are_every_part_on_and_attention_by_the_sm_count():
         triton_attention="auto",
         fuse_rope=True,
         triton_qkv=True,
+        triton_norm=True,
         dependent_launches="auto",
         compile_prefill=True,
         compile_step=True,

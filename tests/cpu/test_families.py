@@ -22,7 +22,9 @@ def test_the_installed_transformers_is_the_checked_source():
     for path in hf_up.CHECKED_SOURCES:
         assert hf_up.unchecked_reason(path) is None, hf_up.unchecked_reason(path)
     assert all(
-        p in hf_up.CHECKED_SOURCES for f in families.FAMILIES.values() for p in f.mlp + f.fused_mlp + f.rope_attention
+        p in hf_up.CHECKED_SOURCES
+        for f in families.FAMILIES.values()
+        for p in f.mlp + f.fused_mlp + f.rope_attention + f.norm
     )
 
 

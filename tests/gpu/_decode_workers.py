@@ -176,6 +176,7 @@ def _call_report(st) -> dict:
         qkv_partials=r.qkv_partials,
         compiled_layers=r.compiled_layers,
         ring_layers=r.ring_layers,
+        norm_kernels=r.norm_kernels,
     )
 
 

@@ -19,4 +19,26 @@ def test_eager_steps_in_cuda_graphs_match_the_steps_run_one_by_one():
         assert g["loop"] == "hf_zero3" and g["decode"] == "compiled" and g["step"] == "eager", g
         assert g["prefill"] == "eager" and g["compiles"] == 0, g  # nothing compiled, not even the greedy tail
         assert g["rope_attention"] == 4 and g["split_k"] == 8, g  # hf_zero3's kernels, launched eagerly
+        assert g["norm_kernels"] == 9, g  # two norms a layer and the final one, one kernel each
     check_graphs_replay_the_steps(res, "eager")
+
+
+def test_the_norm_kernel_rounds_bf16_as_transformers_rmsnorm():
+    """Compiled for the GPU, the kernel's bf16 rows equal transformers' RMSNorm's bit for bit but
+    where the two sums of squares round apart (one bf16 step, a few elements)."""
+    import torch
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from hf_zero3.kernels import rms_norm
+
+    for n in (896, 2048, 4096):
+        g = torch.Generator().manual_seed(n)
+        norm = LlamaRMSNorm(n, eps=1e-6).to("cuda", torch.bfloat16)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(n, generator=g))
+            x = (3 * torch.randn(64, n, generator=g)).to("cuda", torch.bfloat16)
+            own = norm(x)
+        ours = rms_norm.load()(x, norm.weight.detach(), norm.variance_epsilon)
+        step = own.float().abs() * 2.0**-7
+        assert bool(((ours.float() - own.float()).abs() <= step).all()), n
+        assert (ours == own).float().mean().item() > 0.99, n

@@ -2,8 +2,9 @@
 ``config.model_type``.
 
 A family names the transformers functions a decode step replaces: the MLP forward
-(:mod:`..mlp_kernels`: the gate/up GEMM with SiLU, down split-K; Phi-3's fused gate/up MLP too)
-and, for Llama, the attention forward with its rotary embedding (:mod:`..gqa_attention`'s rope
+(:mod:`..mlp_kernels`: the gate/up GEMM with SiLU, down split-K; Phi-3's fused gate/up MLP too),
+the RMSNorm forward (:mod:`..norm_kernel`, where the step runs eagerly) and, for Llama, the
+attention forward with its rotary embedding (:mod:`..gqa_attention`'s rope
 kernel), each declared by the family's own module (:mod:`.llama`, :mod:`.mistral`, :mod:`.phi3`,
 :mod:`.qwen2`, :mod:`.qwen3`). A replacement is taken only
 where the module runs that very function (so a subclass that overrides it keeps its own) and the
@@ -35,6 +36,11 @@ def mlp_forwards() -> tuple:
 def fused_mlp_forwards() -> tuple:
     """The fused gate/up MLP forwards :mod:`..mlp_kernels` may compute (Phi-3's)."""
     return tuple(hf_up.upstream_function(p) for f in FAMILIES.values() for p in f.fused_mlp if _checked((p,)))
+
+
+def norm_forwards() -> tuple:
+    """The RMSNorm forwards :mod:`..norm_kernel` may compute (every family's that is the checked source)."""
+    return tuple(hf_up.upstream_function(p) for f in FAMILIES.values() for p in f.norm if _checked((p,)))
 
 
 def rope_forwards() -> tuple:
@@ -73,5 +79,6 @@ def fallbacks(model) -> tuple[str, ...]:
     family = FAMILIES.get(getattr(getattr(model, "config", None), "model_type", None))
     if family is None:
         return ()
-    reasons = (hf_up.unchecked_reason(p) for p in family.mlp + family.fused_mlp + family.rope_attention)
+    paths = family.mlp + family.fused_mlp + family.rope_attention + family.norm
+    reasons = (hf_up.unchecked_reason(p) for p in paths)
     return tuple(dict.fromkeys(r for r in reasons if r is not None))

@@ -14,6 +14,7 @@ class Family:
     # MLP forwards computed as down(up * silu(gate)), (gate, up) the two halves of gate_up_proj(x)
     fused_mlp: tuple[str, ...] = ()
     rope_attention: tuple[str, ...] = ()  # attention forward + the rotary helpers it calls
+    norm: tuple[str, ...] = ()  # RMSNorm forwards computed as Llama's (an eager step's norm kernel)
     # the family's own prepare_inputs_for_generation, read and found to be GenerationMixin's for
     # calls up to ``config.<inputs_limit>`` tokens (None: no limit)
     generation_inputs: str | None = None

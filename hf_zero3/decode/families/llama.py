@@ -1,4 +1,4 @@
-"""Llama: the MLP, and the attention forward with its rotary embedding (the rope kernel)."""
+"""Llama: the MLP, the attention forward with its rotary embedding (the rope kernel), the RMSNorm."""
 
 from .family import Family
 
@@ -8,4 +8,5 @@ FAMILY = Family(
     "llama",
     mlp=(_M + "LlamaMLP.forward",),
     rope_attention=(_M + "LlamaAttention.forward", _M + "apply_rotary_pos_emb", _M + "rotate_half"),
+    norm=(_M + "LlamaRMSNorm.forward",),
 )

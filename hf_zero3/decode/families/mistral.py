@@ -1,5 +1,11 @@
-"""Mistral: the MLP (its attention has a sliding window: the model's own)."""
+"""Mistral: the MLP and the RMSNorm (its attention has a sliding window: the model's own)."""
 
 from .family import Family
 
-FAMILY = Family("mistral", mlp=("transformers.models.mistral.modeling_mistral.MistralMLP.forward",))
+_M = "transformers.models.mistral.modeling_mistral."
+
+FAMILY = Family(
+    "mistral",
+    mlp=(_M + "MistralMLP.forward",),
+    norm=(_M + "MistralRMSNorm.forward",),
+)

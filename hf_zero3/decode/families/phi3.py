@@ -3,7 +3,7 @@ only once a sequence passes ``config.original_max_position_embeddings`` (there i
 to recompute it with the long rotary factors): calls up to that length take the loop. Its MLP's
 fused ``gate_up_proj`` runs as the gate/up kernel over the weight's two row halves; its attention
 (fused q/k/v, one query head per key/value head) runs the model's own code around the decode
-attention kernel."""
+attention kernel. Its RMSNorm is Llama's."""
 
 from .family import Family
 
@@ -12,6 +12,7 @@ _M = "transformers.models.phi3.modeling_phi3."
 FAMILY = Family(
     "phi3",
     fused_mlp=(_M + "Phi3MLP.forward",),
+    norm=(_M + "Phi3RMSNorm.forward",),
     generation_inputs=_M + "Phi3ForCausalLM.prepare_inputs_for_generation",
     inputs_limit="original_max_position_embeddings",
 )

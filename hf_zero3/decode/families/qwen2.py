@@ -1,5 +1,12 @@
-"""Qwen2: the MLP (its attention projections carry biases: the model's own attention forward)."""
+"""Qwen2: the MLP and the RMSNorm (its attention projections carry biases: the model's own
+attention forward)."""
 
 from .family import Family
 
-FAMILY = Family("qwen2", mlp=("transformers.models.qwen2.modeling_qwen2.Qwen2MLP.forward",))
+_M = "transformers.models.qwen2.modeling_qwen2."
+
+FAMILY = Family(
+    "qwen2",
+    mlp=(_M + "Qwen2MLP.forward",),
+    norm=(_M + "Qwen2RMSNorm.forward",),
+)

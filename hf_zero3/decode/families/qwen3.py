@@ -1,5 +1,12 @@
-"""Qwen3: the MLP (its attention normalizes q and k per head: the model's own attention forward)."""
+"""Qwen3: the MLP and the RMSNorm (its attention normalizes q and k per head: the model's own
+attention forward, whose per-head norms take the norm kernel where their rows are contiguous)."""
 
 from .family import Family
 
-FAMILY = Family("qwen3", mlp=("transformers.models.qwen3.modeling_qwen3.Qwen3MLP.forward",))
+_M = "transformers.models.qwen3.modeling_qwen3."
+
+FAMILY = Family(
+    "qwen3",
+    mlp=(_M + "Qwen3MLP.forward",),
+    norm=(_M + "Qwen3RMSNorm.forward",),
+)
