@@ -59,6 +59,14 @@ SHAPES = {
 }
 
 
+def hbm_tbps(gpu_name: str) -> float:
+    """The bandwidth a decode floor counts at, TB/s: ``BENCH_HBM_TBPS``, else by the GPU's name
+    (an H100's 3.35, else an H200's 4.3)."""
+    if os.environ.get("BENCH_HBM_TBPS"):
+        return float(os.environ["BENCH_HBM_TBPS"])
+    return 3.35 if "H100" in gpu_name else 4.3
+
+
 def shape_config(name: str):
     """The config of model shape ``name`` (:data:`SHAPES`); an unknown name stops the benchmark."""
     if name not in SHAPES:

@@ -22,7 +22,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from common import load  # noqa: E402
+from common import hbm_tbps, load  # noqa: E402
 
 FILES = {"decode": "generation/decode.jsonl", "memory": "memory/memory.jsonl"}
 COLORS = {
@@ -66,7 +66,13 @@ def plot_decode(plt, rows: list[dict], out: str) -> str:
     if not complete:
         raise SystemExit("decode.jsonl has no run with hf_eager_gathered, hf_static_gathered and hf_zero3_graphs")
     run = max(complete, key=lambda rs: rs[0]["date"])
-    res = [r["result"] for r in run]
+    # the floor at the run's GPU's bandwidth (rows before the benchmark chose it by the GPU counted
+    # an H200's on any GPU)
+    bw = hbm_tbps((run[0]["environment"].get("gpus") or [""])[0]) * 1e12
+    res = [dict(r["result"]) for r in run]
+    for r in res:
+        r["floor_tok_s"] = r["batch"] / (r["weight_bytes"] / bw)
+        r["fraction_of_floor"] = r["step_tokens_per_s"] / r["floor_tok_s"]
     batches = sorted({r["batch"] for r in res})
 
     def series(config, key="step_tokens_per_s"):

@@ -41,7 +41,8 @@ graphs: the first timed call of a static-loop row captures again, so the median 
 the first call's extra time over the median is ``compile_s``, its whole time ``first_call_s``
 (``BENCH_COMPILE_TIMES=1`` prints where Dynamo and inductor spent it).
 ``floor_tok_s``: batch / (bf16 weight bytes / HBM bandwidth), the tokens/s of a decode step that
-only streams the weights once (``BENCH_HBM_TBPS``, default 4.3 TB/s, an H200's); ``fraction_of_floor``
+only streams the weights once (``BENCH_HBM_TBPS``, default by the GPU: an H100's 3.35 TB/s, else an
+H200's 4.3); ``fraction_of_floor``
 counts every row of every step (``step_tokens_per_s``), as the floor does; ``tokens_per_s`` and
 the ``vs_*`` ratios count each row up to its own length.
 Run: python benchmarks/generation/bench_decode.py   (GPU only; BENCH_BATCHES=8,64)
@@ -57,7 +58,16 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from common import SHAPES, record, scratch_dir, set_switches, shape_config, table, world_and_backend  # noqa: E402
+from common import (  # noqa: E402
+    SHAPES,
+    hbm_tbps,
+    record,
+    scratch_dir,
+    set_switches,
+    shape_config,
+    table,
+    world_and_backend,
+)
 
 MAX_NEW = int(os.environ.get("BENCH_MAX_NEW", 128))
 REPS = int(os.environ.get("BENCH_REPS", 5))  # timed calls after the compiling one
@@ -249,7 +259,9 @@ def main():
     rows = run_ranks(
         rank_main, world, args=(partial,), backend=backend, init="deepspeed", timeout=590, pg_timeout=120, capture=False
     )[0]
-    bw = float(os.environ.get("BENCH_HBM_TBPS", 4.3)) * 1e12
+    import torch
+
+    bw = hbm_tbps(torch.cuda.get_device_name(0)) * 1e12
     for r in rows:
         r["tokens_per_s"] = r["useful_tokens"] / r["seconds"] / world  # per rank, each row up to its length
         r["step_tokens_per_s"] = r["batch"] * MAX_NEW / r["seconds"]  # per rank, every row of every step

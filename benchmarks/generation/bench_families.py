@@ -42,7 +42,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from common import record, scratch_dir, table, world_and_backend  # noqa: E402
+from common import hbm_tbps, record, scratch_dir, table, world_and_backend  # noqa: E402
 
 BATCH = int(os.environ.get("BENCH_BATCH", 64))
 MAX_NEW = int(os.environ.get("BENCH_MAX_NEW", 128))
@@ -63,12 +63,9 @@ CONFIGS = [c for c in os.environ.get("BENCH_CONFIGS", "hf_eager_gathered,hf_stat
 
 
 def _hbm_tbps(device) -> float:
-    """The bandwidth the floor counts at: ``BENCH_HBM_TBPS``, else by the GPU's name (TB/s)."""
     import torch
 
-    if os.environ.get("BENCH_HBM_TBPS"):
-        return float(os.environ["BENCH_HBM_TBPS"])
-    return 3.35 if "H100" in torch.cuda.get_device_name(device) else 4.3
+    return hbm_tbps(torch.cuda.get_device_name(device))
 
 
 def _expert_bytes(module) -> tuple[int, int, int, int]:
