@@ -128,6 +128,17 @@ def instance_forwards(pairs):
             vars(module).pop("forward", None)
 
 
+def named_submodules(model: torch.nn.Module, names):
+    """``(name, module)`` for each of ``names`` that is still a submodule of ``model`` (a name
+    planned earlier whose module is gone since is skipped)."""
+    for name in names:
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            continue
+        yield name, module
+
+
 def module_has(module: torch.nn.Module, name: str) -> bool:
     """``hasattr(module, name)`` without ``nn.Module.__getattr__``'s failed lookup (it raises, and
     the caller runs this over every module of a model once per generate call): the instance's own

@@ -237,11 +237,7 @@ def rope_bind(model, names: tuple[str, ...], cache) -> list:
     prompt's forward: a static layer allocates its tensors at its first update), once per call."""
     bound = []
     layers = getattr(cache, "layers", ())
-    for name in names:
-        try:
-            m = model.get_submodule(name)
-        except AttributeError:
-            continue
+    for _, m in torch_up.named_submodules(model, names):
         if not _rope_module(m) or m.layer_idx >= len(layers):
             continue
         layer = layers[m.layer_idx]

@@ -194,15 +194,7 @@ def _parts(m: nn.Module) -> tuple:
 def bind(model: nn.Module, names: tuple[str, ...]) -> list[nn.Module]:
     """The named modules (:func:`plan`) that still apply, once per call (the decode steps then
     patch only these)."""
-    bound = []
-    for name in names:
-        try:
-            m = model.get_submodule(name)
-        except AttributeError:  # the model changed since the plan
-            continue
-        if applies(m) or applies_split(name, m):
-            bound.append(m)
-    return bound
+    return [m for name, m in torch_up.named_submodules(model, names) if applies(m) or applies_split(name, m)]
 
 
 def counts(modules: list[nn.Module], split: bool) -> tuple[int, int]:

@@ -51,15 +51,7 @@ def plan(model: nn.Module, device) -> tuple[str, ...]:
 
 def bind(model: nn.Module, names: tuple[str, ...]) -> list[nn.Module]:
     """The named modules (:func:`plan`) that still apply, once per call."""
-    bound = []
-    for name in names:
-        try:
-            m = model.get_submodule(name)
-        except AttributeError:  # the model changed since the plan
-            continue
-        if applies(m):
-            bound.append(m)
-    return bound
+    return [m for _, m in torch_up.named_submodules(model, names) if applies(m)]
 
 
 def use(modules: list[nn.Module]):
