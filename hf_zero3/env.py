@@ -121,7 +121,8 @@ def fast_path_rows() -> list[Row]:
     for path in hf_up.CHECKED_SOURCES:
         why = hf_up.unchecked_reason(path)
         parts = path.split(".")
-        short = ".".join(parts[-2:]) if not parts[-2].startswith("modeling_") else parts[-1]
+        # a method: Class.method; a model module's function: its model type's (llama.rotate_half)
+        short = parts[-3] + "." + parts[-1] if parts[-2].startswith("modeling_") else ".".join(parts[-2:])
         rows.append(
             Row(short, "checked" if why is None else "model's own code", OK if why is None else WARN, why or "")
         )
@@ -227,6 +228,15 @@ def model_rows(source: str, call: dict | None = None) -> list[Row]:
     norms = [n for n, m in model.named_modules() if norm_kernel.applies(m)]
     eager = "where the decode step runs eagerly"
     rows.append(Row("norm kernel", f"{len(norms)} RMSNorms", OK if norms else WARN, eager))
+    rotary = families.rotary_function(model)
+    rows.append(
+        Row(
+            "rotary kernel",
+            rotary.rpartition(".models.")[2] if rotary else "model's own",
+            OK if rotary else WARN,
+            eager,
+        )
+    )
     rows += _family_rows(model)
     for why in families.fallbacks(model):
         rows.append(Row("fallback", "model's own code", WARN, why))

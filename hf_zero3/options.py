@@ -84,6 +84,9 @@ class DecodeOptions:
         triton_norm: where the decode step runs eagerly (``compile_step`` off), each RMSNorm of a
             checked family as one Triton kernel instead of transformers' eight
             (``HF_ZERO3_TRITON_NORM``; default on; a compiled step fuses the norms itself).
+        triton_rotary: where the decode step runs eagerly, the rotate-half rotary embedding of a
+            checked family (Llama, Mistral, Qwen2, Qwen3) as one Triton kernel for q and one for k
+            instead of ten (``HF_ZERO3_TRITON_ROTARY``; default on).
         dependent_launches: decode-step kernels as programmatic dependent launches: ``"auto"``
             where the GPU and Triton can (compute capability 9.0+), ``"on"`` the same with a
             warning where they cannot, ``"off"`` never (``HF_ZERO3_PDL``: one of them or a switch,
@@ -126,6 +129,9 @@ class DecodeOptions:
     )
     triton_norm: bool | None = _option(
         "HF_ZERO3_TRITON_NORM", True, "an eager decode step's RMSNorms as one kernel each"
+    )
+    triton_rotary: bool | None = _option(
+        "HF_ZERO3_TRITON_ROTARY", True, "an eager decode step's rotary embedding as one kernel for q and for k"
     )
     dependent_launches: str | None = _option(
         "HF_ZERO3_PDL", "auto", "decode kernels as programmatic dependent launches", ("auto", "on", "off")

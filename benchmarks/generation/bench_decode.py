@@ -96,11 +96,17 @@ OURS = {
     "hf_zero3_graphs_eager_prefill": (8, 8, {"HF_ZERO3_COMPILE_PREFILL": _OFF}),
     # a TRL rollout's defaults: the prompt forward and the decode step eager, the steps in CUDA graphs
     "hf_zero3_graphs_eager_step": (8, 8, {"HF_ZERO3_COMPILE_PREFILL": _OFF, "HF_ZERO3_COMPILE_STEP": _OFF}),
-    # the same with the model's own RMSNorms (eight kernels each) instead of the norm kernel
+    # the same with the model's own RMSNorms (eight kernels each) instead of the norm kernel, and
+    # with the model's own rotary embedding (ten kernels a layer) instead of the rotary kernel
     "hf_zero3_graphs_eager_step_own_norm": (
         8,
         8,
         {"HF_ZERO3_COMPILE_PREFILL": _OFF, "HF_ZERO3_COMPILE_STEP": _OFF, "HF_ZERO3_TRITON_NORM": _OFF},
+    ),
+    "hf_zero3_graphs_eager_step_own_rotary": (
+        8,
+        8,
+        {"HF_ZERO3_COMPILE_PREFILL": _OFF, "HF_ZERO3_COMPILE_STEP": _OFF, "HF_ZERO3_TRITON_ROTARY": _OFF},
     ),
     # the compiled step as one compiled decoder layer that every layer runs (DecodeOptions.compile_layers)
     "hf_zero3_graphs_layer_step": (8, 8, {"HF_ZERO3_COMPILE_LAYERS": _ON}),

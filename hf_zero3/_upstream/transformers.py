@@ -211,6 +211,13 @@ CHECKED_SOURCES = {
     "transformers.models.mistral.modeling_mistral.MistralMLP.forward": "4a9e0f851f1aaf4d",
     "transformers.models.qwen2.modeling_qwen2.Qwen2MLP.forward": "4a9e0f851f1aaf4d",
     "transformers.models.qwen3.modeling_qwen3.Qwen3MLP.forward": "4a9e0f851f1aaf4d",
+    # 5.17-5.25: Llama's rotate-half rotary embedding, copied into Mistral, Qwen2, Qwen3
+    "transformers.models.mistral.modeling_mistral.apply_rotary_pos_emb": "d7bb227c70940011",
+    "transformers.models.mistral.modeling_mistral.rotate_half": "b59dbfffe0eeb84b",
+    "transformers.models.qwen2.modeling_qwen2.apply_rotary_pos_emb": "d7bb227c70940011",
+    "transformers.models.qwen2.modeling_qwen2.rotate_half": "b59dbfffe0eeb84b",
+    "transformers.models.qwen3.modeling_qwen3.apply_rotary_pos_emb": "d7bb227c70940011",
+    "transformers.models.qwen3.modeling_qwen3.rotate_half": "b59dbfffe0eeb84b",
     # 5.17-5.25: the Llama RMSNorm and its copies
     "transformers.models.llama.modeling_llama.LlamaRMSNorm.forward": "fcd67d29c071c6be",
     "transformers.models.mistral.modeling_mistral.MistralRMSNorm.forward": "fcd67d29c071c6be",

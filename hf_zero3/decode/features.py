@@ -7,7 +7,7 @@ model once per call after the prompt's forward (:meth:`~Feature.bind`: what stil
 call's weight copies), entered around every decode step (:meth:`~Feature.use`), and reported into
 the call's one :class:`DecodeReport` (``hf_zero3_last_generate.decode_report``). :func:`plan`
 builds them in the order they depend on each other: dependent launches, the attention, the fused
-q/k/v projection, the MLP kernels, the rope attention, the norm kernel, and the compiled layers.
+q/k/v projection, the MLP kernels, the rope attention, the norm and rotary kernels, and the compiled layers.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from ..kernels import decode_gemm
 from ..options import DecodeOptions
-from . import fused_qkv, gqa_attention, layer_compile, mlp_kernels, norm_kernel
+from . import fused_qkv, gqa_attention, layer_compile, mlp_kernels, norm_kernel, rotary_kernel
 from .compiled import compiled_layer
 
 log = logging.getLogger("hf_zero3.generation")
@@ -36,6 +36,7 @@ class DecodeReport:
     rope_attention: int = 0  # attention modules that rotated, wrote the cache and attended in one kernel
     compiled_layers: int = 0  # decoder layers that ran one compiled layer (DecodeOptions.compile_layers)
     norm_kernels: int = 0  # RMSNorms an eager step ran through the Triton norm kernel (DecodeOptions.triton_norm)
+    rotary_kernel: bool = False  # an eager step rotated q and k in the Triton kernel (DecodeOptions.triton_rotary)
     dependent_launches: bool = False  # the steps' kernels were programmatic dependent launches
     qkv_partials: bool = False  # fused q/k/v ran split-K into the rope kernel, which summed the partials
     fallbacks: tuple[str, ...] = ()  # parts of the model family's fast path left to its own code, and why
@@ -220,6 +221,27 @@ class NormKernel(Feature):
         self.bound = []  # the count stays: the call's report reads it after its end
 
 
+class RotaryKernel(Feature):
+    """An eager step's rotary embedding through the Triton rotary kernel (:mod:`.rotary_kernel`;
+    ``path``: the family's ``apply_rotary_pos_emb``, None: off), replaced only around steps that
+    run eagerly."""
+
+    def __init__(self, path: str | None):
+        self.replaced = rotary_kernel.Replaced(path) if path else None
+
+    def bind(self, model, cache) -> None:
+        if self.replaced is not None:
+            self.replaced.reset()
+
+    def use(self, loop):
+        if loop.step_kind != "eager" or self.replaced is None:
+            return contextlib.nullcontext()
+        return self.replaced.use()
+
+    def report(self, into: DecodeReport, compiled: bool) -> None:
+        into.rotary_kernel = self.replaced is not None and self.replaced.hits > 0
+
+
 class CompiledLayers(Feature):
     """The compiled decode step as one compiled decoder layer run by every layer
     (:mod:`.layer_compile`; ``name``: the layers' ``ModuleList``, None: the step compiles whole).
@@ -259,7 +281,8 @@ def plan(model, device, attention: str | None, options: DecodeOptions) -> list[F
     rope = gqa_attention.rope_plan(model, attention) if options.fuse_rope else ()
     qkv_op = gqa_attention.rope_qkv(device, dependent.on) if rope and qkv.fused.names and options.triton_qkv else None
     norms = NormKernel(norm_kernel.plan(model, device) if options.triton_norm else ())
-    parts = [dependent, Attention(attention), qkv, mlp, RopeAttention(rope, dependent.on, qkv_op, qkv), norms]
+    rotary = RotaryKernel(rotary_kernel.plan(model, device) if options.triton_rotary else None)
+    parts = [dependent, Attention(attention), qkv, mlp, RopeAttention(rope, dependent.on, qkv_op, qkv), norms, rotary]
     if options.compile_step and options.compile_layers:
         name, why = layer_compile.plan(model)
         if why is not None:

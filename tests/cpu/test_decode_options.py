@@ -28,6 +28,7 @@ def test_defaults_are_every_part_on_and_attention_by_the_sm_count():
         fuse_rope=True,
         triton_qkv=True,
         triton_norm=True,
+        triton_rotary=True,
         dependent_launches="auto",
         compile_prefill=True,
         compile_step=True,

@@ -24,7 +24,7 @@ def test_the_installed_transformers_is_the_checked_source():
     assert all(
         p in hf_up.CHECKED_SOURCES
         for f in families.FAMILIES.values()
-        for p in f.mlp + f.fused_mlp + f.rope_attention + f.norm
+        for p in f.mlp + f.fused_mlp + f.rope_attention + f.norm + f.rotary
     )
 
 

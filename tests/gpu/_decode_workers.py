@@ -177,6 +177,7 @@ def _call_report(st) -> dict:
         compiled_layers=r.compiled_layers,
         ring_layers=r.ring_layers,
         norm_kernels=r.norm_kernels,
+        rotary_kernel=r.rotary_kernel,
     )
 
 

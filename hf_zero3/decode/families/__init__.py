@@ -3,7 +3,8 @@
 
 A family names the transformers functions a decode step replaces: the MLP forward
 (:mod:`..mlp_kernels`: the gate/up GEMM with SiLU, down split-K; Phi-3's fused gate/up MLP too),
-the RMSNorm forward (:mod:`..norm_kernel`, where the step runs eagerly) and, for Llama, the
+the RMSNorm forward and the rotary embedding (:mod:`..norm_kernel`, :mod:`..rotary_kernel`, where
+the step runs eagerly) and, for Llama, the
 attention forward with its rotary embedding (:mod:`..gqa_attention`'s rope
 kernel), each declared by the family's own module (:mod:`.llama`, :mod:`.mistral`, :mod:`.phi3`,
 :mod:`.qwen2`, :mod:`.qwen3`). A replacement is taken only
@@ -43,6 +44,15 @@ def norm_forwards() -> tuple:
     return tuple(hf_up.upstream_function(p) for f in FAMILIES.values() for p in f.norm if _checked((p,)))
 
 
+def rotary_function(model) -> str | None:
+    """The dotted path of ``model``'s family's ``apply_rotary_pos_emb`` that :mod:`..rotary_kernel`
+    may replace (None: no family, none declared, or not the checked source)."""
+    family = FAMILIES.get(getattr(getattr(model, "config", None), "model_type", None))
+    if family is None or not family.rotary or not _checked(family.rotary):
+        return None
+    return family.rotary[0]
+
+
 def rope_forwards() -> tuple:
     """The attention forwards the rope kernel may compute (with their rotary helpers checked too)."""
     return tuple(
@@ -79,6 +89,6 @@ def fallbacks(model) -> tuple[str, ...]:
     family = FAMILIES.get(getattr(getattr(model, "config", None), "model_type", None))
     if family is None:
         return ()
-    paths = family.mlp + family.fused_mlp + family.rope_attention + family.norm
+    paths = family.mlp + family.fused_mlp + family.rope_attention + family.norm + family.rotary
     reasons = (hf_up.unchecked_reason(p) for p in paths)
     return tuple(dict.fromkeys(r for r in reasons if r is not None))

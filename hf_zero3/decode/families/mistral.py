@@ -1,4 +1,4 @@
-"""Mistral: the MLP and the RMSNorm (its attention has a sliding window: the model's own)."""
+"""Mistral: the MLP, the RMSNorm and the rotary embedding (its attention has a sliding window: the model's own)."""
 
 from .family import Family
 
@@ -8,4 +8,5 @@ FAMILY = Family(
     "mistral",
     mlp=(_M + "MistralMLP.forward",),
     norm=(_M + "MistralRMSNorm.forward",),
+    rotary=(_M + "apply_rotary_pos_emb", _M + "rotate_half"),
 )

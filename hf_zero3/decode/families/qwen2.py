@@ -1,4 +1,4 @@
-"""Qwen2: the MLP and the RMSNorm (its attention projections carry biases: the model's own
+"""Qwen2: the MLP, the RMSNorm and the rotary embedding (its attention projections carry biases: the model's own
 attention forward)."""
 
 from .family import Family
@@ -9,4 +9,5 @@ FAMILY = Family(
     "qwen2",
     mlp=(_M + "Qwen2MLP.forward",),
     norm=(_M + "Qwen2RMSNorm.forward",),
+    rotary=(_M + "apply_rotary_pos_emb", _M + "rotate_half"),
 )
