@@ -30,9 +30,11 @@ forwards that such a group runs, without EOS. (A Python stopping criterion would
 configuration onto transformers' loop, so the lengths are applied in the count, not in the loop.)
 
 Model: Llama-3.2-1B shape in code (``BENCH_SHAPE``: ``llama-1b``, ``llama-8b``, ``qwen2-0.5b``;
-random weights, bf16) under ZeRO-3 on every GPU (up to 2), 64
+random weights, bf16) under ZeRO-3 on every GPU (up to 2; with DeepSpeed's AdamW, whose fp32 states
+do not fit the 8B shape on one 80 GB card: ``BENCH_OPTIMIZER=none`` leaves it out), 64
 -token prompts (``BENCH_PROMPTS=padded``: left-padded prompts of 32-64 tokens with their attention
-mask, as a chat template's prompts reach a rollout), greedy. Each configuration runs once to
+mask, as a chat template's prompts reach a rollout; ``fixed,padded``: both, one after the other per
+batch in one process, each compared with its own baselines), greedy. Each configuration runs once to
 compile, then ``BENCH_REPS`` more times
 (default 5; HF eager and layer-wise, which take seconds, once); ``seconds`` is the median of
 those (a repeated rollout: the static loop replays the CUDA graphs its first call captured,
@@ -79,9 +81,10 @@ PROMPT = 64
 SHAPE = os.environ.get("BENCH_SHAPE", "llama-1b")
 if SHAPE not in SHAPES:
     raise SystemExit(f"BENCH_SHAPE takes one of {', '.join(SHAPES)}, not {SHAPE!r}")
-PROMPTS = os.environ.get("BENCH_PROMPTS", "fixed")
-if PROMPTS not in ("fixed", "padded"):
-    raise SystemExit(f"BENCH_PROMPTS takes fixed or padded, not {PROMPTS!r}")
+OPTIMIZER = os.environ.get("BENCH_OPTIMIZER", "adamw") != "none"
+PROMPTS = os.environ.get("BENCH_PROMPTS", "fixed").split(",")  # "fixed,padded": both, in one process
+if not PROMPTS or set(PROMPTS) - {"fixed", "padded"}:
+    raise SystemExit(f"BENCH_PROMPTS takes fixed, padded or both (comma-separated), not {','.join(PROMPTS)!r}")
 # hf_zero3 rows: name -> (graph_steps, sync_every, switches set for the row); every other
 # HF_ZERO3_* switch is unset, so it runs at the library's default
 _ON, _OFF = "1", "0"
@@ -102,6 +105,12 @@ OURS = {
         8,
         8,
         {"HF_ZERO3_COMPILE_PREFILL": _OFF, "HF_ZERO3_COMPILE_STEP": _OFF, "HF_ZERO3_TRITON_NORM": _OFF},
+    ),
+    # the same with the Triton attention kernel at any batch ("auto" takes it from one program per SM)
+    "hf_zero3_graphs_eager_step_kernel_always": (
+        8,
+        8,
+        {"HF_ZERO3_COMPILE_PREFILL": _OFF, "HF_ZERO3_COMPILE_STEP": _OFF, "HF_ZERO3_TRITON_ATTENTION": "always"},
     ),
     "hf_zero3_graphs_eager_step_own_rotary": (
         8,
@@ -142,8 +151,12 @@ def rank_main(partial: str):
     dev = torch.device("cuda", torch.cuda.current_device())
     cfg = shape_config(SHAPE)
     ds = strict_zero3_config(world_size=dist.get_world_size(), bf16=True)
+    if not OPTIMIZER:  # ZeRO-3 without an optimizer (DeepSpeed's ZeRO-Offload engine): the 8B shape on one 80 GB card
+        del ds["optimizer"]
     model = models.zero3_model(cfg, ds, dtype=torch.bfloat16)
-    engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
+    engine, *_ = deepspeed.initialize(
+        model=model, config=ds, **({"model_parameters": model.parameters()} if OPTIMIZER else {})
+    )
     engine.eval()
     module = engine.module
     n_bytes = sum(p.ds_numel for p in module.parameters()) * 2
@@ -163,12 +176,12 @@ def rank_main(partial: str):
             return module.generate(**kw, synced_gpus=True, **extra)
 
     rows = []
-    for batch in BATCHES:
+    for batch, prompts in [(b, p) for b in BATCHES for p in PROMPTS]:
         g = torch.Generator().manual_seed(rank)
         ids = torch.randint(3, cfg.vocab_size, (batch, PROMPT), generator=g).to(dev)
         targets = torch.randint(MAX_NEW // 4, MAX_NEW + 1, (batch,), generator=g)
         prompt_kw = {}
-        if PROMPTS == "padded":
+        if prompts == "padded":
             lengths = torch.randint(PROMPT // 2, PROMPT + 1, (batch,), generator=g)
             mask = (torch.arange(PROMPT)[None, :] >= (PROMPT - lengths)[:, None]).long().to(dev)
             ids = ids.masked_fill(mask == 0, 0)
@@ -185,7 +198,7 @@ def rank_main(partial: str):
             set_switches(OURS[name][2] if name in OURS else {}, SWITCHES)
             # the seconds-long baselines (HF eager, per-layer) are timed once
             for rep in range(1 + (REPS if name.startswith("hf_zero3") or name == "hf_static_gathered" else 1)):
-                mark(f"batch {batch} {name} rep {rep}")
+                mark(f"batch {batch} {prompts} {name} rep {rep}")
                 kw = dict(input_ids=ids, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0, eos_token_id=None)
                 kw.update(prompt_kw)
                 dist.barrier()
@@ -212,6 +225,7 @@ def rank_main(partial: str):
             rows.append(
                 dict(
                     batch=batch,
+                    prompts=prompts,
                     config=label,
                     seconds=tot[1].item() / dist.get_world_size(),
                     seconds_min=tot[2].item() / dist.get_world_size(),
@@ -274,8 +288,8 @@ def main():
         r["floor_tok_s"] = r["batch"] / (r["weight_bytes"] / bw)
         r["fraction_of_floor"] = r["step_tokens_per_s"] / r["floor_tok_s"]
         r["useful_fraction_of_floor"] = r["tokens_per_s"] / r["floor_tok_s"]
-    for batch in BATCHES:
-        base = {r["config"]: r for r in rows if r["batch"] == batch}
+    for batch, prompts in [(b, p) for b in BATCHES for p in PROMPTS]:
+        base = {r["config"]: r for r in rows if r["batch"] == batch and r["prompts"] == prompts}
         if "hf_eager_gathered" not in base or "hf_static_gathered" not in base:
             continue
         for r in base.values():
@@ -287,7 +301,7 @@ def main():
         dtype="bf16",
         max_new_tokens=MAX_NEW,
         prompt=PROMPT,
-        prompts=PROMPTS,
+        prompts=",".join(PROMPTS),
         shape=SHAPE,
         batches=BATCHES,
         reps=REPS,
@@ -300,6 +314,7 @@ def main():
             rows,
             [
                 "batch",
+                "prompts",
                 "config",
                 "seconds",
                 "tokens_per_s",
