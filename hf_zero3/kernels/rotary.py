@@ -4,7 +4,8 @@ copies) as one Triton kernel per tensor: one program per head and position.
 Eagerly, ``q * cos + rotate_half(q) * sin`` for the query and the key is ten kernels (two slices'
 negation and concatenation, four products, two sums); at decode shapes each is a launch over a few
 kilobytes. The kernel reads each head once and rounds every product and the sum to the model's
-dtype as those ops do, so its output equals theirs. Used by an eager decode step
+dtype as those ops do (bfloat16 or float32; float16 is left to them), so its output equals theirs
+to the bit. Used by an eager decode step
 (:mod:`hf_zero3.decode.rotary_kernel`); a compiled step fuses the same work itself.
 
 Loaded lazily; :func:`is_available` as in :mod:`.decode_gemm` (Triton).
@@ -37,7 +38,7 @@ def load():
 def fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """The kernel takes ``x`` ([batch, heads, positions, dim] on CUDA, its last dimension contiguous) with
     ``cos``/``sin`` of one shape and layout ([batch or 1, positions, dim], unit last stride), all of
-    one dtype, ``dim`` even."""
+    one dtype (bfloat16 or float32: the dtypes whose roundings the kernel repeats), ``dim`` even."""
     if x.dim() != 4 or cos.dim() != 3 or cos.shape != sin.shape or cos.stride() != sin.stride():
         return False
     b, _, s, d = x.shape
@@ -49,6 +50,7 @@ def fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
         and x.stride(-1) == 1
         and cos.stride(-1) == 1
         and x.dtype == cos.dtype == sin.dtype
+        and x.dtype in (torch.bfloat16, torch.float32)
     )
 
 
@@ -70,6 +72,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     _state["kernel"][(b * h * s,)](
         x, cos, sin, out, h, s,
         x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2), cb, cos.stride(1),
-        HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1,
+        HALF=half, BLOCK=triton.next_power_of_2(half), BF16=x.dtype == torch.bfloat16, num_warps=1,
+        enable_fp_fusion=False,  # each product rounded before the sum, as the eager ops round it
     )  # fmt: skip
     return out

@@ -1,8 +1,9 @@
 """An eager decode step's rotary embedding through hf_zero3's Triton kernel
 (hf_zero3.decode.rotary_kernel, hf_zero3.kernels.rotary), run by Triton's interpreter on CPU in
-float32 (the interpreter's casts to bf16 do not round as the GPU's do: the GPU test checks bf16 to
-the bit): the kernel against transformers' ``apply_rotary_pos_emb``, the replacement's fallbacks,
-a whole forward with it, and which models take it."""
+float32 and bfloat16 (the kernel rounds to bfloat16 in integer operations, which the interpreter
+runs as the GPU does: its outputs equal the eager ops' to the bit): the kernel against
+transformers' ``apply_rotary_pos_emb``, the replacement's fallbacks, a whole forward with it, and
+which models take it."""
 
 import os
 
@@ -16,12 +17,12 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _qkcs(b, s, hq, hk, d, cos_batch=None, seed=0):
+def _qkcs(b, s, hq, hk, d, cos_batch=None, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, s, hq, d, generator=g).transpose(1, 2)  # as the attention forwards pass them
-    k = torch.randn(b, s, hk, d, generator=g).transpose(1, 2)
+    q = torch.randn(b, s, hq, d, generator=g).to(dtype).transpose(1, 2)  # as the attention forwards pass them
+    k = torch.randn(b, s, hk, d, generator=g).to(dtype).transpose(1, 2)
     angles = torch.randn(cos_batch or b, s, d, generator=g)
-    return q, k, angles.cos(), angles.sin()
+    return q, k, angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 @pytest.mark.parametrize("shape", [(4, 1, 6, 2, 16), (2, 5, 4, 4, 64), (3, 2, 2, 1, 10)])
@@ -40,6 +41,21 @@ def test_the_kernel_equals_apply_rotary_pos_emb(shape):
     torch.testing.assert_close(rotate(q, cos, sin), apply_rotary_pos_emb(q, k, cos, sin)[0], rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="rotate takes"):
         rotate(q, cos[..., :-2], sin[..., :-2])
+
+
+@pytest.mark.parametrize("shape", [(64, 1, 14, 2, 64), (3, 17, 4, 2, 128)])
+def test_the_kernel_rounds_bf16_as_the_eager_ops_do(shape):
+    """Each product and the sum rounded to bfloat16 (ties to even) as transformers' eager ops
+    round them: equal to the bit, not within a tolerance."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from hf_zero3.kernels import rotary
+
+    q, k, cos, sin = _qkcs(*shape, dtype=torch.bfloat16)
+    own_q, own_k = apply_rotary_pos_emb(q, k, cos, sin)
+    rotate = rotary.load()
+    assert torch.equal(rotate(q, cos, sin), own_q) and torch.equal(rotate(k, cos, sin), own_k)
+    assert not rotary.fits(q.half(), cos.half(), sin.half())  # float16: left to the eager ops
 
 
 def test_the_replacement_hands_what_the_kernel_cannot_take_to_the_function_it_replaced():
