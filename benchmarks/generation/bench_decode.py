@@ -81,6 +81,9 @@ PROMPT = 64
 SHAPE = os.environ.get("BENCH_SHAPE", "llama-1b")
 if SHAPE not in SHAPES:
     raise SystemExit(f"BENCH_SHAPE takes one of {', '.join(SHAPES)}, not {SHAPE!r}")
+# 1: every call of a static-loop row decodes with a new loop and captures its graphs anew, as a
+# GRPO rollout does when the training step between two rollouts moved the cache's allocation
+RECAPTURE = os.environ.get("BENCH_RECAPTURE") == "1"
 OPTIMIZER = os.environ.get("BENCH_OPTIMIZER", "adamw") != "none"
 PROMPTS = os.environ.get("BENCH_PROMPTS", "fixed").split(",")  # "fixed,padded": both, in one process
 if not PROMPTS or set(PROMPTS) - {"fixed", "padded"}:
@@ -98,22 +101,26 @@ OURS = {
     "hf_zero3_graphs_cublas_mlp": (8, 8, {"HF_ZERO3_TRITON_MLP": _OFF}),
     "hf_zero3_graphs_eager_prefill": (8, 8, {"HF_ZERO3_COMPILE_PREFILL": _OFF}),
     # a TRL rollout's defaults: the prompt forward and the decode step eager, the steps in CUDA graphs
-    "hf_zero3_graphs_eager_step": (8, 8, {"HF_ZERO3_COMPILE_PREFILL": _OFF, "HF_ZERO3_COMPILE_STEP": _OFF}),
+    "hf_zero3_graphs_eager_step": (None, 8, {"HF_ZERO3_COMPILE_PREFILL": _OFF, "HF_ZERO3_COMPILE_STEP": _OFF}),
     # the same with the model's own RMSNorms (eight kernels each) instead of the norm kernel, and
     # with the model's own rotary embedding (ten kernels a layer) instead of the rotary kernel
     "hf_zero3_graphs_eager_step_own_norm": (
-        8,
+        None,
         8,
         {"HF_ZERO3_COMPILE_PREFILL": _OFF, "HF_ZERO3_COMPILE_STEP": _OFF, "HF_ZERO3_TRITON_NORM": _OFF},
     ),
-    # the same with the Triton attention kernel at any batch ("auto" takes it from one program per SM)
-    "hf_zero3_graphs_eager_step_kernel_always": (
+    # the same with the attention's PyTorch form (an eager step takes the Triton kernel at any batch)
+    "hf_zero3_graphs_eager_step_torch_attention": (
+        None,
         8,
-        8,
-        {"HF_ZERO3_COMPILE_PREFILL": _OFF, "HF_ZERO3_COMPILE_STEP": _OFF, "HF_ZERO3_TRITON_ATTENTION": "always"},
+        {"HF_ZERO3_COMPILE_PREFILL": _OFF, "HF_ZERO3_COMPILE_STEP": _OFF, "HF_ZERO3_TRITON_ATTENTION": _OFF},
     ),
+    # the same with graphs of 8 steps (an eager step's default is graphs of one): a call that
+    # captures anew (a GRPO rollout after a training step, see BENCH_RECAPTURE) captures the 7- and
+    # 8-step windows instead of one step
+    "hf_zero3_graphs8_eager_step": (8, 8, {"HF_ZERO3_COMPILE_PREFILL": _OFF, "HF_ZERO3_COMPILE_STEP": _OFF}),
     "hf_zero3_graphs_eager_step_own_rotary": (
-        8,
+        None,
         8,
         {"HF_ZERO3_COMPILE_PREFILL": _OFF, "HF_ZERO3_COMPILE_STEP": _OFF, "HF_ZERO3_TRITON_ROTARY": _OFF},
     ),
@@ -199,6 +206,8 @@ def rank_main(partial: str):
             # the seconds-long baselines (HF eager, per-layer) are timed once
             for rep in range(1 + (REPS if name.startswith("hf_zero3") or name == "hf_static_gathered" else 1)):
                 mark(f"batch {batch} {prompts} {name} rep {rep}")
+                if RECAPTURE and rep:
+                    hf_zero3.release_decode_graphs(module)
                 kw = dict(input_ids=ids, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0, eos_token_id=None)
                 kw.update(prompt_kw)
                 dist.barrier()
@@ -305,6 +314,7 @@ def main():
         shape=SHAPE,
         batches=BATCHES,
         reps=REPS,
+        recapture=RECAPTURE,
         hbm_tbps=bw / 1e12,
     )
     path = record("decode", rows, HERE, setup)

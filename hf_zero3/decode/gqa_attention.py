@@ -106,9 +106,11 @@ def multi_head(model) -> bool:
     return cfg.num_key_value_heads == cfg.num_attention_heads
 
 
-def choice(model, device, rows: int, kernel: str = "auto") -> str | None:
+def choice(model, device, rows: int, kernel: str = "auto", eager: bool = False) -> str | None:
     """The decode attention a loop of ``rows`` on ``device`` uses: ``KERNEL`` (CUDA, Triton, and
-    ``kernel`` is ``"always"``, or ``"auto"`` where it is the faster form: :func:`gqa_decode.pays`),
+    ``kernel`` is ``"always"``, or ``"auto"`` where it is the faster form: :func:`gqa_decode.pays`
+    for a compiled step; for an ``eager`` step, whose PyTorch form is some twenty unfused
+    kernels a layer, at any size),
     ``NAME``, or None (the model's own: :func:`applies` is False, or a :func:`multi_head` model
     where the kernel does not run). ``kernel``: :attr:`~hf_zero3.options.DecodeOptions.triton_attention`."""
     if not applies(model):
@@ -118,7 +120,7 @@ def choice(model, device, rows: int, kernel: str = "auto") -> str | None:
         and torch.device(device).type == "cuda"
         and gqa_decode.is_available()
         and gqa_decode.load() is not None
-        and (kernel == "always" or gqa_decode.pays(rows, model.config.num_key_value_heads))
+        and (kernel == "always" or eager or gqa_decode.pays(rows, model.config.num_key_value_heads))
     ):
         return KERNEL  # built here, outside the compiled step's trace
     return None if multi_head(model) else NAME

@@ -18,6 +18,12 @@ from .phases import phase
 
 log = logging.getLogger("hf_zero3.generation")
 
+# steps per CUDA graph where the call does not say (LockstepConfig.graph_steps=None): a compiled
+# step's graph of 8 replays as fast as 8 of one; an eager step (~900 launches at the Qwen2-0.5B
+# shape) captures anew whenever a training step moved the cache's allocation, and graphs of one
+# step capture one step instead of the 7- and 8-step windows (benchmarks/HISTORY.md, ablations)
+GRAPH_STEPS, EAGER_GRAPH_STEPS = 8, 1
+
 
 class GraphRunner:
     """Runs one call's decode steps. A loop's first step ever runs uncaptured (it compiles the
@@ -29,8 +35,10 @@ class GraphRunner:
     parameters, the cache and the model's state are those they were captured with; on CPU, or
     with ``graph_steps=0``, steps run one by one."""
 
-    def __init__(self, loop: DecodeLoop, graph_steps: int):
+    def __init__(self, loop: DecodeLoop, graph_steps: int | None):
         self.loop = loop
+        if graph_steps is None:  # an eager step's capture costs the host each launch of each step it captures
+            graph_steps = EAGER_GRAPH_STEPS if loop.step_kind == "eager" else GRAPH_STEPS
         self.graph_steps = graph_steps if loop.mask.is_cuda and loop.model not in NO_GRAPHS and loop.compiled else 0
         self.capture_s = 0.0  # host seconds spent capturing this call's graphs
         self.captured: set[int] = set()

@@ -119,7 +119,9 @@ def loop_for(
     first, and one per shape and ``options`` (resolved): a loop whose addresses or state no longer
     match is replaced. Host work only (no device sync): it runs while the prompt's forward does."""
     device = input_ids.device
-    attention = gqa_attention.choice(model, device, input_ids.shape[0], options.triton_attention)
+    attention = gqa_attention.choice(
+        model, device, input_ids.shape[0], options.triton_attention, eager=not options.compile_step
+    )
     key = _loop_key(model, input_ids, processors, generation_config, eos_key, cache, attention, options)
     if key is not None:
         kept = LOOPS.setdefault(model, collections.OrderedDict())

@@ -93,7 +93,7 @@ def decode(
     stopping_criteria,
     generation_config,
     model_kwargs,
-    graph_steps: int,
+    graph_steps: int | None,
     options: DecodeOptions,
 ) -> torch.Tensor:
     """Generate with the static loop, in lockstep with ``call`` (a :class:`.stops.StopAgreement`):

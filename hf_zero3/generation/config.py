@@ -39,7 +39,9 @@ class LockstepConfig:
         bucket: compiled decoding sizes its static cache to prompt + new tokens rounded up to
             this many tokens, so calls of other lengths in the bucket reuse the compiled step.
         graph_steps: compiled decoding on CUDA replays this many decode steps per CUDA-graph
-            launch (between two stop agreements; 0: no CUDA graphs); see
+            launch (between two stop agreements; 0: no CUDA graphs); None (default): 8 for a
+            compiled step, 1 for an eager one (``DecodeOptions.compile_step=False``, TRL rollouts'
+            default), whose capture costs the host every launch of each step it captures; see
             :mod:`hf_zero3.decode.static_loop`.
         decode_options: which parts of the compiled decode path to use
             (:class:`~hf_zero3.options.DecodeOptions`; None: every field from its ``HF_ZERO3_*``
@@ -53,7 +55,7 @@ class LockstepConfig:
     group: Any = None
     decode: str = "auto"
     bucket: int = 64
-    graph_steps: int = 8
+    graph_steps: int | None = None
     decode_options: DecodeOptions | None = None
 
     def validate(self) -> "LockstepConfig":
@@ -69,8 +71,12 @@ class LockstepConfig:
             raise ValueError(f"decode must be one of {DECODE_MODES}, not {self.decode!r}")
         if isinstance(self.bucket, bool) or not isinstance(self.bucket, int) or self.bucket < 1:
             raise ValueError(f"bucket must be a positive int (tokens), not {self.bucket!r}")
-        if isinstance(self.graph_steps, bool) or not isinstance(self.graph_steps, int) or self.graph_steps < 0:
-            raise ValueError(f"graph_steps must be an int >= 0 (decode steps per CUDA graph), not {self.graph_steps!r}")
+        if self.graph_steps is not None and (
+            isinstance(self.graph_steps, bool) or not isinstance(self.graph_steps, int) or self.graph_steps < 0
+        ):
+            raise ValueError(
+                f"graph_steps must be an int >= 0 (decode steps per CUDA graph) or None, not {self.graph_steps!r}"
+            )
         if self.decode_options is not None and not isinstance(self.decode_options, DecodeOptions):
             raise TypeError(f"decode_options must be a hf_zero3.DecodeOptions or None, not {self.decode_options!r}")
         return self

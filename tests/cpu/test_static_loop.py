@@ -91,7 +91,7 @@ def _static_loop_batches_rank():
 
     if os.environ.get("TRITON_INTERPRET") == "1" and gqa_decode.load() is not None:
         choice = gqa_attention.choice
-        gqa_attention.choice = lambda model, device, rows, kernel="auto": gqa_attention.KERNEL
+        gqa_attention.choice = lambda model, device, rows, kernel="auto", eager=False: gqa_attention.KERNEL
         try:
             os.environ.pop("HF_ZERO3_FUSE_ROPE", None)  # the default
             run("rope_kernel", decode="compiled")

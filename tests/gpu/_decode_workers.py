@@ -125,6 +125,7 @@ def check_graphs_replay_the_steps(res: list, step: str) -> None:
     for r in res:
         g, plain, again = r["graphs"], r["plain"], r["again"]
         assert g["graph_steps"] == 8 and plain["graph_steps"] == 0, (g, plain)
+        assert r["default"]["graph_steps"] == (1 if step == "eager" else 8), r["default"]
         assert again["reused"] and again["compiles"] == 0, again  # the captured graphs replay
         assert r["same"], r
         tf = r["teacher_forced"]
@@ -224,12 +225,13 @@ def eager_step_graphs(new_tokens: int = 40, layers: bool = False, mistral: bool 
     with torch.no_grad():
         runs = {}
         # "again" twice: the call after a loop's first may capture once more (see compiled_decode)
-        for name, steps in (("graphs", 8), ("plain", 0), ("again", 8), ("again", 8)):
+        # "default": graph_steps unset (an eager step's graphs hold one step, a compiled one's 8)
+        for name, steps in (("graphs", 8), ("plain", 0), ("again", 8), ("again", 8), ("default", None)):
             runs[name] = hf_zero3.lockstep_generate(
                 engine, input_ids=ids, do_sample=False, graph_steps=steps, decode_options=options, **kw
             )
             out[name] = _call_report(module.hf_zero3_last_generate)
-        out["same"] = all(bool(torch.equal(runs["graphs"], runs[n])) for n in ("plain", "again"))
+        out["same"] = all(bool(torch.equal(runs["graphs"], runs[n])) for n in ("plain", "again", "default"))
         out["teacher_forced"] = _teacher_forced(engine, runs["graphs"], ids.shape[1], kw["eos_token_id"])
         # sampling with processors, captured and step by step: the same tokens for the same seed
         captured, stepped, st = _sampled_captured_and_stepped(engine, ids, 7, decode_options=options, **kw)
