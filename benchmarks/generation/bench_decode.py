@@ -249,6 +249,8 @@ def rank_main(partial: str):
                     capture_s_all=captures[1:] if ours is not None else None,
                     first_call_capture_s=first_capture,
                     graphs_reused=getattr(ours, "graphs_reused", None),
+                    loop_reused=getattr(ours, "loop_reused", None),  # the median call's (the last timed one's)
+                    graphs_moved=list(getattr(ours, "graphs_moved", ()) or ()),
                     attention=getattr(report, "attention", None),
                     fused_projections=getattr(report, "fused_projections", None),
                     mlp_kernels=getattr(report, "mlp_kernels", None),

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from .._upstream import torch as torch_up
 from .caches import NO_GRAPHS
 from .compiled import failure_reason
 from .loop import DecodeLoop
@@ -64,7 +65,7 @@ class GraphRunner:
         collecting = gc.isenabled()
         gc.disable()  # a collection inside the capture may free another graph, which invalidates it
         try:
-            with torch.cuda.graph(g, pool=pool):  # collects garbage first
+            with torch_up.graph_capture(g, pool):
                 for _ in range(n):
                     self.loop.step()
         finally:
