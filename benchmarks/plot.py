@@ -5,7 +5,8 @@
 
 decode.png  tokens/s against batch: hf_zero3's compiled decode loop, transformers' static cache,
             HF eager with the model gathered (TRL's path), and the HBM bandwidth floor; from the
-            newest run in generation/decode.jsonl that has both HF baselines.
+            newest run in generation/decode.jsonl with both HF baselines at the most batches
+            (Llama-1B shape, fixed-length prompts).
 memory.png  peak allocated memory and step time of plain ZeRO-3, DeepCompile (zero3 pass only,
             DeepSpeed's default schedule) and hf_zero3's memory plan, uncapped and under a cap;
             the newest row of each cell of memory/memory.jsonl in the benchmark's default
@@ -56,8 +57,9 @@ def _caption(rows: list[dict]) -> str:
 
 def plot_decode(plt, rows: list[dict], out: str) -> str:
     runs = {}
-    for r in rows:
-        runs.setdefault(r["run"], []).append(r)
+    for r in rows:  # the Llama-1B shape's fixed-length prompts (a run may hold padded ones, or be another shape)
+        if r["setup"].get("shape", "llama-1b") == "llama-1b" and r["result"].get("prompts", "fixed") == "fixed":
+            runs.setdefault(r["run"], []).append(r)
     complete = [
         rs
         for rs in runs.values()
@@ -65,7 +67,8 @@ def plot_decode(plt, rows: list[dict], out: str) -> str:
     ]
     if not complete:
         raise SystemExit("decode.jsonl has no run with hf_eager_gathered, hf_static_gathered and hf_zero3_graphs")
-    run = max(complete, key=lambda rs: rs[0]["date"])
+    # a line against batch: the run with the most batches, the newest of those
+    run = max(complete, key=lambda rs: (len({r["result"]["batch"] for r in rs}), rs[0]["date"]))
     # the floor at the run's GPU's bandwidth (rows before the benchmark chose it by the GPU counted
     # an H200's on any GPU)
     bw = hbm_tbps((run[0]["environment"].get("gpus") or [""])[0]) * 1e12
