@@ -74,7 +74,8 @@ class DecodeOptions:
         split_k: ``down_proj`` and ``o_proj`` through the split-K Triton GEMM, with ``triton_mlp``
             (``HF_ZERO3_SPLIT_K``; default on).
         triton_attention: the Triton GQA decode-attention kernel: ``"auto"`` where batch x
-            key/value heads reaches the GPU's SM count, ``"always"`` wherever it runs, ``"off"``
+            key/value heads reaches the GPU's SM count (at any batch where the decode step runs
+            eagerly: the PyTorch form is unfused there), ``"always"`` wherever it runs, ``"off"``
             never (``HF_ZERO3_TRITON_ATTENTION``; default ``"auto"``).
         fuse_rope: where that kernel attends, Llama-style attention modules rotate, write the
             cache and attend in the one kernel (``HF_ZERO3_FUSE_ROPE``; default on).
