@@ -9,7 +9,7 @@ eager (TRL rollouts' default), two norms a layer are a sixth of a step's kernels
 ``torch.compile`` inductor fuses the same work (with the residual add) by itself, so the loop uses
 this kernel only where the step runs eagerly (:mod:`hf_zero3.decode.norm_kernel`).
 
-Loaded lazily; :func:`is_available` as in :mod:`.decode_gemm` (Triton).
+The kernel is imported on first use (:func:`.triton_launch.jit_kernel`).
 """
 
 from __future__ import annotations
@@ -18,22 +18,14 @@ import torch
 
 from . import triton_launch
 
-_state: dict = {}
 
-
-def is_available() -> bool:
-    return triton_launch.missing() is None
+def _kernel():
+    return triton_launch.jit_kernel("rms_norm_triton", "rms_norm_kernel")
 
 
 def load():
     """The kernel's launch function ``rms_norm(x2d, weight, eps) -> out``, or None without Triton."""
-    if not is_available():
-        return None
-    if "kernel" not in _state:
-        from . import rms_norm_triton  # optional: triton (the kernel imports it)
-
-        _state["kernel"] = rms_norm_triton.rms_norm_kernel
-    return rms_norm
+    return rms_norm if _kernel() is not None else None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -49,7 +41,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         )
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     block = triton.next_power_of_2(n)
-    _state["kernel"][(rows,)](
+    _kernel()[(rows,)](
         x, weight, out, x.stride(0), out.stride(0), float(eps), N=n, BLOCK=block, num_warps=8 if block > 2048 else 4
     )
     return out

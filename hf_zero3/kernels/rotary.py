@@ -8,7 +8,7 @@ dtype as those ops do (bfloat16 or float32; float16 is left to them), so its out
 to the bit. Used by an eager decode step
 (:mod:`hf_zero3.decode.rotary_kernel`); a compiled step fuses the same work itself.
 
-Loaded lazily; :func:`is_available` as in :mod:`.decode_gemm` (Triton).
+The kernel is imported on first use (:func:`.triton_launch.jit_kernel`).
 """
 
 from __future__ import annotations
@@ -17,22 +17,14 @@ import torch
 
 from . import triton_launch
 
-_state: dict = {}
 
-
-def is_available() -> bool:
-    return triton_launch.missing() is None
+def _kernel():
+    return triton_launch.jit_kernel("rotary_triton", "rotate_half_kernel")
 
 
 def load():
     """The launch function ``rotate(x, cos, sin) -> out``, or None without Triton."""
-    if not is_available():
-        return None
-    if "kernel" not in _state:
-        from . import rotary_triton  # optional: triton (the kernel imports it)
-
-        _state["kernel"] = rotary_triton.rotate_half_kernel
-    return rotate
+    return rotate if _kernel() is not None else None
 
 
 def fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -69,7 +61,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     out = torch.empty_like(x)  # x's strides: the eager ops' output keeps its input's layout
     cb = cos.stride(0) if cos.shape[0] == b and b > 1 else 0
     half = d // 2
-    _state["kernel"][(b * h * s,)](
+    _kernel()[(b * h * s,)](
         x, cos, sin, out, h, s,
         x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2), cb, cos.stride(1),
         HALF=half, BLOCK=triton.next_power_of_2(half), BF16=x.dtype == torch.bfloat16, num_warps=1,

@@ -6,6 +6,8 @@ take; outside ``torch.compile`` the two launch alike, so an interpreted kernel i
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import importlib.util
 import inspect
 import os
@@ -21,6 +23,15 @@ def missing() -> str | None:
     if not hasattr(torch.library, "triton_op") or not hasattr(torch.library, "wrap_triton"):
         return f"torch {torch.__version__} has no torch.library.triton_op (torch >= 2.6)"
     return None
+
+
+@functools.cache
+def jit_kernel(module: str, name: str):
+    """The ``@triton.jit`` kernel ``name`` of ``hf_zero3.kernels.<module>`` (a module that imports
+    Triton), imported on first use; None where Triton kernels cannot be built (:func:`missing`)."""
+    if missing() is not None:
+        return None
+    return getattr(importlib.import_module(f"{__package__}.{module}"), name)
 
 
 def interpreted() -> bool:
