@@ -135,7 +135,7 @@ def graph_capture(graph: "torch.cuda.CUDAGraph", pool=None):
     synchronize and ``torch.cuda.empty_cache()``. Emptying the caching allocator returns every
     cached block (a gathered model's, a training step's) to the driver, so the memory is allocated
     anew after it, often at other addresses, which a kept graph cannot replay over: a decode call
-    that captured made the next call capture again (0.5 s of a 1.4 s Llama-8B rollout). A capture
+    that captured made the next call capture again (benchmarks/RESULTS.md, Rollout decode). A capture
     that needs memory the cache holds still gets it: the allocator frees cached blocks and retries
     before it reports out-of-memory. (The emptying came with the capture context, pytorch/pytorch#63269.)"""
     side = torch.cuda.Stream()

@@ -20,9 +20,9 @@ from .phases import phase
 log = logging.getLogger("hf_zero3.generation")
 
 # steps per CUDA graph where the call does not say (LockstepConfig.graph_steps=None): a compiled
-# step's graph of 8 replays as fast as 8 of one; an eager step (~900 launches at the Qwen2-0.5B
-# shape) captures anew whenever a training step moved the cache's allocation, and graphs of one
-# step capture one step instead of the 7- and 8-step windows (benchmarks/HISTORY.md, ablations)
+# step's graph of 8 replays as fast as 8 of one; an eager step (hundreds of launches) captures
+# anew whenever a training step moved the cache's allocation, and graphs of one step capture one
+# step instead of the 7- and 8-step windows (benchmarks/HISTORY.md, ablations)
 GRAPH_STEPS, EAGER_GRAPH_STEPS = 8, 1
 
 
