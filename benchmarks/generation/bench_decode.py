@@ -91,6 +91,7 @@ if not PROMPTS or set(PROMPTS) - {"fixed", "padded"}:
 # hf_zero3 rows: name -> (graph_steps, sync_every, switches set for the row); every other
 # HF_ZERO3_* switch is unset, so it runs at the library's default
 _ON, _OFF = "1", "0"
+_EAGER = {"HF_ZERO3_COMPILE_PREFILL": _OFF, "HF_ZERO3_COMPILE_STEP": _OFF}  # a TRL rollout's step and prompt forward
 OURS = {
     "hf_zero3_static_loop": (0, 8, {}),
     "hf_zero3_graphs": (8, 8, {}),  # the library's defaults
@@ -101,29 +102,17 @@ OURS = {
     "hf_zero3_graphs_cublas_mlp": (8, 8, {"HF_ZERO3_TRITON_MLP": _OFF}),
     "hf_zero3_graphs_eager_prefill": (8, 8, {"HF_ZERO3_COMPILE_PREFILL": _OFF}),
     # a TRL rollout's defaults: the prompt forward and the decode step eager, the steps in CUDA graphs
-    "hf_zero3_graphs_eager_step": (None, 8, {"HF_ZERO3_COMPILE_PREFILL": _OFF, "HF_ZERO3_COMPILE_STEP": _OFF}),
+    "hf_zero3_graphs_eager_step": (None, 8, _EAGER),
     # the same with the model's own RMSNorms (eight kernels each) instead of the norm kernel, and
     # with the model's own rotary embedding (ten kernels a layer) instead of the rotary kernel
-    "hf_zero3_graphs_eager_step_own_norm": (
-        None,
-        8,
-        {"HF_ZERO3_COMPILE_PREFILL": _OFF, "HF_ZERO3_COMPILE_STEP": _OFF, "HF_ZERO3_TRITON_NORM": _OFF},
-    ),
+    "hf_zero3_graphs_eager_step_own_norm": (None, 8, {**_EAGER, "HF_ZERO3_TRITON_NORM": _OFF}),
     # the same with the attention's PyTorch form (an eager step takes the Triton kernel at any batch)
-    "hf_zero3_graphs_eager_step_torch_attention": (
-        None,
-        8,
-        {"HF_ZERO3_COMPILE_PREFILL": _OFF, "HF_ZERO3_COMPILE_STEP": _OFF, "HF_ZERO3_TRITON_ATTENTION": _OFF},
-    ),
+    "hf_zero3_graphs_eager_step_torch_attention": (None, 8, {**_EAGER, "HF_ZERO3_TRITON_ATTENTION": _OFF}),
     # the same with graphs of 8 steps (an eager step's default is graphs of one): a call that
     # captures anew (a GRPO rollout after a training step, see BENCH_RECAPTURE) captures the 7- and
     # 8-step windows instead of one step
-    "hf_zero3_graphs8_eager_step": (8, 8, {"HF_ZERO3_COMPILE_PREFILL": _OFF, "HF_ZERO3_COMPILE_STEP": _OFF}),
-    "hf_zero3_graphs_eager_step_own_rotary": (
-        None,
-        8,
-        {"HF_ZERO3_COMPILE_PREFILL": _OFF, "HF_ZERO3_COMPILE_STEP": _OFF, "HF_ZERO3_TRITON_ROTARY": _OFF},
-    ),
+    "hf_zero3_graphs8_eager_step": (8, 8, _EAGER),
+    "hf_zero3_graphs_eager_step_own_rotary": (None, 8, {**_EAGER, "HF_ZERO3_TRITON_ROTARY": _OFF}),
     # the compiled step as one compiled decoder layer that every layer runs (DecodeOptions.compile_layers)
     "hf_zero3_graphs_layer_step": (8, 8, {"HF_ZERO3_COMPILE_LAYERS": _ON}),
     "hf_zero3_graphs_no_split": (8, 8, {"HF_ZERO3_SPLIT_K": _OFF}),
