@@ -7,7 +7,7 @@ names a directory). Each line is one object::
 
     {"benchmark": "decode", "run": "<id shared by the rows of one invocation>",
      "date": "<UTC ISO-8601>", "command": "<env switches> python benchmarks/... <args>",
-     "commit": "<git HEAD>", "dirty": <hf_zero3/ had uncommitted changes>,
+     "commit": "<git HEAD or $BENCH_COMMIT>", "dirty": <hf_zero3/ had uncommitted changes>,
      "environment": {"gpus": [...], "torch": ..., "cuda": ..., "triton": ..., "deepspeed": ...,
                      "transformers": ..., "accelerate": ..., "trl": ..., "python": ...},
      "setup": {<the benchmark's fixed parameters>}, "result": {<the row>}}
@@ -47,7 +47,7 @@ _COMMAND_PREFIXES = (
     "TORCH_CUDA_ARCH_LIST",
     "PYTORCH_CUDA_ALLOC_CONF",
 )
-_NOT_COMMAND = ("BENCH_RESULTS",)  # where rows go, not what they measure
+_NOT_COMMAND = ("BENCH_RESULTS", "BENCH_COMMIT")  # where rows go and what ran, not what they measure
 _RUN = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
 
 
@@ -117,6 +117,18 @@ def command() -> str:
     return " ".join(env + ["python", script] + [shlex.quote(a) for a in _ARGV[1:]])
 
 
+def _commit() -> dict:
+    """``commit`` and ``dirty`` of the tree that runs. ``BENCH_COMMIT`` names the commit where the
+    tree's git is not its own (a working tree copied onto a GPU host): ``dirty`` is then unknown."""
+    named = os.environ.get("BENCH_COMMIT")
+    if named:
+        return {"commit": named, "dirty": None}
+    return {
+        "commit": _git("rev-parse", "--short", "HEAD"),
+        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no", "--", "hf_zero3")),
+    }
+
+
 def _git(*args) -> str | None:
     try:
         return subprocess.run(
@@ -151,8 +163,7 @@ def record(name: str, rows: list[dict], here: str, setup: dict | None = None) ->
         "run": _RUN,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": command(),
-        "commit": _git("rev-parse", "--short", "HEAD"),
-        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no", "--", "hf_zero3")),
+        **_commit(),
         "environment": environment(),
         "setup": setup or {},
     }
