@@ -25,7 +25,7 @@ what exceeds the ``every`` steps it overlaps (``exposed_ms``). A rollout that en
 budget also runs extra forwards past the group's last EOS, (every - 1) / 2 on average, plus
 ``every`` for a late check (``extra_ms``); ``overhead_pct`` counts both. Processes past the host's
 cores share them, so the larger groups measure an upper bound. ``BENCH_AGREE_PARTS=scaling`` runs
-part 3 alone; ``BENCH_AGREE_FIT=<run>`` refits its model to the latencies a recorded run measured
+part 3 alone, ``BENCH_AGREE_PARTS=latency`` part 1 alone (no GPU needed); ``BENCH_AGREE_FIT=<run>`` refits its model to the latencies a recorded run measured
 (agreements.jsonl's ``run``) instead of measuring.
 Run: python benchmarks/agreements/bench_agreements.py
 """
@@ -45,10 +45,13 @@ CALLS = int(os.environ.get("BENCH_AGREE_CALLS", 2000))
 WORLDS = [int(w) for w in os.environ.get("BENCH_AGREE_WORLDS", "2,4,8,16").split(",")]
 ROLLOUT_S = float(os.environ.get("BENCH_ROLLOUT_S", 0.176))
 PARTS = os.environ.get("BENCH_AGREE_PARTS", "all")
+if PARTS not in ("all", "latency", "scaling"):
+    raise SystemExit(f"BENCH_AGREE_PARTS takes all, latency or scaling, not {PARTS!r}")
 #: (steps between stop checks, late) modelled in part 3; (1, False) was the default before late checks
 SCHEDULES = ((1, False), (4, False), (8, False), (2, True), (4, True), (8, True))
 CALL_AGREEMENTS = 2  # a generate() call's first (options, budget, gathering) and its end
 FIT_RUN = os.environ.get("BENCH_AGREE_FIT")
+LATENCIES = ("raw", "tagged", "recorded")  # part 1's columns (see the module docstring)
 STEP_AGREEMENTS = 3  # Zero3Safe.on_step_begin + the gate's agree_launch for the forward and backward graph
 
 
@@ -253,24 +256,21 @@ def main():
     if PARTS == "scaling":
         return
     lat = run_ranks(_latencies, 2, timeout=600, pg_timeout=60)[0]
+    rows = [
+        {"what": f"one agreement ({n} value{'s' if n > 1 else ''})", **{f"{k}_us": lat[f"{k}_{n}"] for k in LATENCIES}}
+        for n in (1, 2)
+    ]
+    print(table(rows, ["what", "raw_us", "tagged_us", "recorded_us"]))
+    for r in rows:
+        r["part"] = "latency"
+    setup = {"latency_ranks": 2, "latency_backend": "gloo", "calls": CALLS, "cores": os.cpu_count()}
+    if PARTS == "latency":
+        print(f"raw rows appended to {record('agreements', rows, HERE, setup)}")
+        return
     times = run_ranks(
         _gpu_times, 1, backend="nccl" if _cuda() else "gloo", init="deepspeed", timeout=600, pg_timeout=120
     )[0]
     extra = lat["tagged_1"] - lat["raw_1"]
-    rows = [
-        {
-            "what": "one agreement (1 value)",
-            "raw_us": lat["raw_1"],
-            "tagged_us": lat["tagged_1"],
-            "recorded_us": lat["recorded_1"],
-        },
-        {
-            "what": "one agreement (2 values)",
-            "raw_us": lat["raw_2"],
-            "tagged_us": lat["tagged_2"],
-            "recorded_us": lat["recorded_2"],
-        },
-    ]
     shares = [
         {
             "call": f"generate 8x128 ({times['device']})",
@@ -287,17 +287,14 @@ def main():
             "agree_share_pct": 100 * STEP_AGREEMENTS * lat["tagged_1"] / 1e6 / times["step_s"],
         },
     ]
-    print(table(rows, ["what", "raw_us", "tagged_us", "recorded_us"]))
     print(table(shares, ["call", "seconds", "agreements", "tag_share_pct", "agree_share_pct"]))
-    for r in rows:
-        r["part"] = "latency"
     for r in shares:
         r["part"] = "share"
     path = record(
         "agreements",
         rows + shares,
         HERE,
-        {"latency_ranks": 2, "latency_backend": "gloo", "calls": CALLS, "device": times["device"]},
+        {**setup, "device": times["device"]},
     )
     print(f"raw rows appended to {path}")
 
