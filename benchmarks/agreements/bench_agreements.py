@@ -25,7 +25,8 @@ what exceeds the ``every`` steps it overlaps (``exposed_ms``). A rollout that en
 budget also runs extra forwards past the group's last EOS, (every - 1) / 2 on average, plus
 ``every`` for a late check (``extra_ms``); ``overhead_pct`` counts both. Processes past the host's
 cores share them, so the larger groups measure an upper bound. ``BENCH_AGREE_PARTS=scaling`` runs
-part 3 alone, ``BENCH_AGREE_PARTS=latency`` part 1 alone (no GPU needed); ``BENCH_AGREE_FIT=<run>`` refits its model to the latencies a recorded run measured
+part 3 alone, ``BENCH_AGREE_PARTS=latency`` part 1 alone (no GPU needed);
+``BENCH_AGREE_FIT=<run>`` refits its model to the latencies a recorded run measured
 (agreements.jsonl's ``run``) instead of measuring.
 Run: python benchmarks/agreements/bench_agreements.py
 """
