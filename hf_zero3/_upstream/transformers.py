@@ -16,6 +16,7 @@ import functools
 import hashlib
 import importlib
 import inspect
+import sys
 import textwrap
 
 import torch
@@ -249,19 +250,33 @@ CHECKED_SOURCES = {
 }
 
 
+_MODULE_OF: dict[str, int] = {}  # dotted path -> how many of its parts name its module (0: none)
+
+
 def upstream_function(path: str):
     """The function at dotted ``path`` (``module.Class.function`` or ``module.function``), or None
-    where this transformers has none."""
+    where this transformers has none. Where the module ends is found once per path: the decode path
+    resolves these paths at every call, and trying each prefix through ``import_module`` (an import
+    that fails, for ``module.Class``) costs far more than the lookup."""
     parts = path.split(".")
-    for i in range(len(parts) - 1, 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:i]))
-        except ImportError:
-            continue
-        for attr in parts[i:]:
-            obj = getattr(obj, attr, None)
-        return hub_wrapped_function(obj, parts[-1])
-    return None
+    split = _MODULE_OF.get(path)
+    if split is None:
+        split = 0
+        for i in range(len(parts) - 1, 0, -1):
+            try:
+                importlib.import_module(".".join(parts[:i]))
+            except ImportError:
+                continue
+            split = i
+            break
+        _MODULE_OF[path] = split
+    if not split:
+        return None
+    name = ".".join(parts[:split])
+    obj = sys.modules.get(name) or importlib.import_module(name)
+    for attr in parts[split:]:
+        obj = getattr(obj, attr, None)
+    return hub_wrapped_function(obj, parts[-1])
 
 
 def hub_wrapped_function(obj, name: str):

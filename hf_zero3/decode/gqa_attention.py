@@ -185,12 +185,13 @@ def _llama_rotary_forwards() -> tuple:
     return (LlamaRotaryEmbedding.forward,)
 
 
-def _rope_module(m) -> bool:
+def _rope_module(m, forwards: tuple) -> bool:
     """``m`` runs an attention forward :func:`_rope_forward` computes (transformers' Llama
     attention: query/key/value projections, rotate-half rotary embedding, a cache update, the
     attention interface without extra arguments, ``o_proj``; a subclass that keeps it), as the
-    source checked (:func:`.families.rope_forwards`), with the shapes the kernel takes."""
-    if type(m).forward not in families.rope_forwards() or not torch_up.runs_class_forward(m):
+    source checked (``forwards``: :func:`.families.rope_forwards`'s, resolved once for a pass over
+    the model), with the shapes the kernel takes."""
+    if type(m).forward not in forwards or not torch_up.runs_class_forward(m):
         return False
     projs = [getattr(m, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
     if any(not isinstance(p, torch.nn.Linear) for p in projs) or not isinstance(getattr(m, "layer_idx", None), int):
@@ -231,7 +232,8 @@ def rope_plan(model, attention: str | None) -> tuple[str, ...]:
     the saving would be lost."""
     if attention != KERNEL:
         return ()
-    return tuple(name for name, m in model.named_modules() if _rope_module(m))
+    forwards = families.rope_forwards()
+    return tuple(name for name, m in model.named_modules() if _rope_module(m, forwards))
 
 
 def rope_bind(model, names: tuple[str, ...], cache) -> list:
@@ -239,8 +241,9 @@ def rope_bind(model, names: tuple[str, ...], cache) -> list:
     prompt's forward: a static layer allocates its tensors at its first update), once per call."""
     bound = []
     layers = getattr(cache, "layers", ())
+    forwards = families.rope_forwards()
     for _, m in torch_up.named_submodules(model, names):
-        if not _rope_module(m) or m.layer_idx >= len(layers):
+        if not _rope_module(m, forwards) or m.layer_idx >= len(layers):
             continue
         layer = layers[m.layer_idx]
         if type(layer) is not StaticLayer or not getattr(layer, "is_initialized", False):

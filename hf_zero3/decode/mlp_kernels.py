@@ -50,10 +50,17 @@ def _plain_linear(m) -> bool:
     )
 
 
-def _fused(mlp: nn.Module) -> bool:
+def _fused(mlp: nn.Module, fused: tuple | None = None) -> bool:
     """``mlp`` runs a family's checked fused MLP forward (Phi-3's ``gate_up_proj``, then
-    ``up * act(gate)`` of its two halves, then ``down_proj``)."""
-    return type(mlp).forward in families.fused_mlp_forwards()
+    ``up * act(gate)`` of its two halves, then ``down_proj``; ``fused``:
+    :func:`.families.fused_mlp_forwards`'s, where the caller resolved them)."""
+    return type(mlp).forward in (families.fused_mlp_forwards() if fused is None else fused)
+
+
+def _forwards() -> tuple[tuple, tuple]:
+    """(the checked MLP forwards, the checked fused ones), resolved once for a pass over a model's
+    modules: resolving and checking them for every module was most of a call's bind."""
+    return families.mlp_forwards(), families.fused_mlp_forwards()
 
 
 def _gate_up(projs) -> tuple:
@@ -67,14 +74,16 @@ def _gate_up(projs) -> tuple:
     return projs[0].weight, projs[1].weight
 
 
-def applies(mlp: nn.Module) -> bool:
+def applies(mlp: nn.Module, forwards: tuple[tuple, tuple] | None = None) -> bool:
     """``mlp`` runs a family's checked MLP forward (:func:`.families.mlp_forwards`, or a fused one:
-    :func:`.families.fused_mlp_forwards`) with plain projections and a SiLU activation."""
+    :func:`.families.fused_mlp_forwards`) with plain projections and a SiLU activation
+    (``forwards``: :func:`_forwards`'s, where the caller checks every module of a model)."""
     if not torch_up.runs_class_forward(mlp):
         return False
-    if _fused(mlp):
+    plain, fused = _forwards() if forwards is None else forwards
+    if _fused(mlp, fused):
         names, act = ("gate_up_proj", "down_proj"), getattr(mlp, "activation_fn", None)
-    elif type(mlp).forward in families.mlp_forwards():
+    elif type(mlp).forward in plain:
         names, act = ("gate_proj", "up_proj", "down_proj"), getattr(mlp, "act_fn", None)
     else:
         return False
@@ -112,7 +121,10 @@ def plan(model: nn.Module, device, split: bool = True) -> tuple[str, ...]:
     Triton); builds the kernels, outside any trace."""
     if torch.device(device).type != "cuda" or decode_gemm.load() is None:
         return ()
-    return tuple(name for name, m in model.named_modules() if applies(m) or (split and applies_split(name, m)))
+    forwards = _forwards()
+    return tuple(
+        name for name, m in model.named_modules() if applies(m, forwards) or (split and applies_split(name, m))
+    )
 
 
 def _split(op, x2d: torch.Tensor, weight: torch.Tensor, slices: int) -> torch.Tensor:
@@ -194,7 +206,8 @@ def _parts(m: nn.Module) -> tuple:
 def bind(model: nn.Module, names: tuple[str, ...]) -> list[nn.Module]:
     """The named modules (:func:`plan`) that still apply, once per call (the decode steps then
     patch only these)."""
-    return [m for name, m in torch_up.named_submodules(model, names) if applies(m) or applies_split(name, m)]
+    forwards = _forwards()
+    return [m for name, m in torch_up.named_submodules(model, names) if applies(m, forwards) or applies_split(name, m)]
 
 
 def counts(modules: list[nn.Module], split: bool) -> tuple[int, int]:

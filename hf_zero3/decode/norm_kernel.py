@@ -27,9 +27,12 @@ from . import families
 _FORWARDS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
 
-def applies(m: nn.Module) -> bool:
-    """``m`` runs a family's checked RMSNorm forward with a half-precision vector weight."""
-    if type(m).forward not in families.norm_forwards() or not torch_up.runs_class_forward(m):
+def applies(m: nn.Module, forwards: tuple | None = None) -> bool:
+    """``m`` runs a family's checked RMSNorm forward with a half-precision vector weight
+    (``forwards``: :func:`.families.norm_forwards`'s, resolved once by a caller that checks every
+    module of a model)."""
+    forwards = families.norm_forwards() if forwards is None else forwards
+    if type(m).forward not in forwards or not torch_up.runs_class_forward(m):
         return False
     w = getattr(m, "weight", None)
     return (
@@ -46,12 +49,14 @@ def plan(model: nn.Module, device) -> tuple[str, ...]:
     without Triton); builds the kernel, outside any trace."""
     if torch.device(device).type != "cuda" or rms_norm.load() is None:
         return ()
-    return tuple(name for name, m in model.named_modules() if applies(m))
+    forwards = families.norm_forwards()
+    return tuple(name for name, m in model.named_modules() if applies(m, forwards))
 
 
 def bind(model: nn.Module, names: tuple[str, ...]) -> list[nn.Module]:
     """The named modules (:func:`plan`) that still apply, once per call."""
-    return [m for _, m in torch_up.named_submodules(model, names) if applies(m)]
+    forwards = families.norm_forwards()
+    return [m for _, m in torch_up.named_submodules(model, names) if applies(m, forwards)]
 
 
 def use(modules: list[nn.Module]):
