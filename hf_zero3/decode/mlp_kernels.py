@@ -152,10 +152,10 @@ def _ops(device, dependent: bool) -> tuple:
     return decode_gemm.load()[1:]
 
 
-def _forward(mlp: nn.Module, split: bool, dependent: bool = False):
+def _forward(mlp: nn.Module, split: bool, dependent: bool = False, fused: tuple | None = None):
     # the projections and the activation, not the MLP: the forward (kept per MLP in a weak
     # dictionary) must not hold its own key alive
-    *projs, act = _parts(mlp)  # (gate, up, down) or (gate_up, down)
+    *projs, act = _parts(mlp, fused)  # (gate, up, down) or (gate_up, down)
     down = projs[-1]
     gate_up_silu, split_op = _ops(down.weight.device, dependent)  # outside the trace, as the loop plans
     slices = decode_gemm.split_for(down.in_features) if split else 1
@@ -190,17 +190,18 @@ def _split_forward(linear: nn.Linear, dependent: bool = False):
     return forward
 
 
-def _part_names(m: nn.Module) -> tuple[str, ...]:
-    if _fused(m):
+def _part_names(m: nn.Module, fused: tuple | None = None) -> tuple[str, ...]:
+    if _fused(m, fused):
         return ("gate_up_proj", "down_proj", "activation_fn")
     return ("gate_proj", "up_proj", "down_proj", "act_fn")
 
 
-def _parts(m: nn.Module) -> tuple:
-    """What a kept forward of ``m`` closes over (a new one is made when any of it was replaced)."""
+def _parts(m: nn.Module, fused: tuple | None = None) -> tuple:
+    """What a kept forward of ``m`` closes over (a new one is made when any of it was replaced;
+    ``fused``: as :func:`_fused` takes it)."""
     if isinstance(m, nn.Linear):
         return (m.weight,)
-    return tuple(getattr(m, n) for n in _part_names(m))
+    return tuple(getattr(m, n) for n in _part_names(m, fused))
 
 
 def bind(model: nn.Module, names: tuple[str, ...]) -> list[nn.Module]:
@@ -221,17 +222,18 @@ def use(modules: list[nn.Module], split: bool, dependent: bool = False):
     """Inside: ``modules`` (:func:`bind`) run through the kernels (``split``: down through the
     split-K kernel too; ``dependent``: the kernels as programmatic dependent launches; as the loop
     was planned)."""
-    return torch_up.instance_forwards((m, _kept_forward(m, split, dependent)) for m in modules)
+    fused = families.fused_mlp_forwards()  # once for the step, not once per MLP
+    return torch_up.instance_forwards((m, _kept_forward(m, split, dependent, fused)) for m in modules)
 
 
-def _kept_forward(m: nn.Module, split: bool, dependent: bool):
+def _kept_forward(m: nn.Module, split: bool, dependent: bool, fused: tuple):
     """``m``'s kernel forward for ``(split, dependent)``, built once while its parts stay the same."""
     kept = _FORWARDS.setdefault(m, {})
-    parts = _parts(m)
+    parts = _parts(m, fused)
     entry = kept.get((split, dependent))
     if entry is None or len(entry[0]) != len(parts) or any(a is not b for a, b in zip(entry[0], parts)):
         entry = kept[(split, dependent)] = (
             parts,
-            _split_forward(m, dependent) if isinstance(m, nn.Linear) else _forward(m, split, dependent),
+            _split_forward(m, dependent) if isinstance(m, nn.Linear) else _forward(m, split, dependent, fused),
         )
     return entry[1]
