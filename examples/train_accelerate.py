@@ -44,6 +44,7 @@ def main():
             break
     plan = hf_zero3.runtime_of(engine).memory.plan
     accelerator.print("memory plan:", plan.summary() if plan else None, "gate:", counters())
+    accelerator.end_training()  # destroys the process group while the interpreter is whole
 
 
 if __name__ == "__main__":

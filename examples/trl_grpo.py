@@ -200,6 +200,12 @@ def main():
             "every rank ran the same generate() calls and decode forwards: " + ("yes" if same else f"NO: {seen}"),
             flush=True,
         )
+    # End as torch documents: every rank past its last collective, then the groups destroyed while
+    # the interpreter is whole. gloo drops a finished collective's tensors on its own thread, which
+    # takes the GIL to do it; one still doing so at interpreter shutdown aborts the process
+    # (pytorch/pytorch#190489). The barrier holds no Python tensors and gives that thread the GIL.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
