@@ -37,6 +37,7 @@ import os
 import threading
 import time
 import warnings
+import weakref
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -112,11 +113,21 @@ def group_ranks(group) -> tuple[int, ...]:
 
 
 _GROUP_FACTS: dict[tuple, tuple] = {}  # (id(WORLD), id(group)) -> (group, ranks, my index, mirror, timeout)
+_WORLD_SEEN: list = [None]  # a weak reference to the default group the caches were filled under
 
 
 def _world_key() -> int:
-    """Identifies the current default process group: caches die with a re-initialised world."""
-    return id(dist.group.WORLD)
+    """Identifies the current default process group. A new one (after ``destroy_process_group``
+    and a fresh ``init_process_group``) empties the caches: the old world's gloo mirrors are let go
+    rather than kept running, and an ``id`` reused by the new world cannot find them."""
+    world = dist.group.WORLD
+    seen = _WORLD_SEEN[0]
+    if seen is None or seen() is not world:
+        with _HOST_LOCK:
+            _GROUP_FACTS.clear()
+            _HOST_GROUPS.clear()
+            _WORLD_SEEN[0] = weakref.ref(world)
+    return id(world)
 
 
 def _facts(group):

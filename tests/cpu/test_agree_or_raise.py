@@ -515,3 +515,43 @@ def test_failed_evaluate_releases_its_region_on_every_rank(tmp_path):
         assert r["error"] and "rank 1 " in r["error"] and "KeyError" in r["error"]
         assert not r["region_open"] and r["partitioned"] and r["hooks_same"]
     assert res[0]["eval_loss_after"] == pytest.approx(res[1]["eval_loss_after"])
+
+
+# -- a world destroyed and joined again ----------------------------------------------------------
+
+
+def _worlds_in_turn(tmp: str):
+    import datetime
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    from hf_zero3 import agree
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agreed, mirrors = [], []
+    for turn in range(3):
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{tmp}/world{turn}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=20),
+        )
+        agreed.append(agree.agree(agree.Tag("turn", counter=turn), None, [10 * turn + rank]))
+        mirror = agree.host_group(None)
+        mirrors.append((weakref.ref(mirror), dist.get_process_group_ranks(mirror)))
+        del mirror
+        dist.destroy_process_group()
+        gc.collect()
+    return dict(agreed=agreed, mirror_ranks=[m[1] for m in mirrors], alive=[m[0]() is not None for m in mirrors])
+
+
+def test_a_new_world_agrees_over_new_mirrors_and_lets_the_old_ones_go(tmp_path):
+    for r in run_ranks(_worlds_in_turn, 2, args=(str(tmp_path),), init="none", timeout=90, pg_timeout=20):
+        assert r["agreed"] == [[1], [11], [21]], r  # each world's own maximum
+        assert r["mirror_ranks"] == [[0, 1]] * 3, r
+        # each world's gloo mirror is let go once the next world starts; the last one stays
+        # cached (nothing has asked for a new world since)
+        assert r["alive"] == [False, False, True], r
