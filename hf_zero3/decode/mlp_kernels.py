@@ -50,11 +50,11 @@ def _plain_linear(m) -> bool:
     )
 
 
-def _fused(mlp: nn.Module, fused: tuple | None = None) -> bool:
+def _fused(mlp: nn.Module, fused: tuple) -> bool:
     """``mlp`` runs a family's checked fused MLP forward (Phi-3's ``gate_up_proj``, then
     ``up * act(gate)`` of its two halves, then ``down_proj``; ``fused``:
-    :func:`.families.fused_mlp_forwards`'s, where the caller resolved them)."""
-    return type(mlp).forward in (families.fused_mlp_forwards() if fused is None else fused)
+    :func:`.families.fused_mlp_forwards`'s, resolved by the caller)."""
+    return type(mlp).forward in fused
 
 
 def _forwards() -> tuple[tuple, tuple]:
@@ -154,7 +154,9 @@ def _ops(device, dependent: bool) -> tuple:
 
 def _forward(mlp: nn.Module, split: bool, dependent: bool = False, fused: tuple | None = None):
     # the projections and the activation, not the MLP: the forward (kept per MLP in a weak
-    # dictionary) must not hold its own key alive
+    # dictionary) must not hold its own key alive; ``fused`` as :func:`_fused` takes it, resolved
+    # here where the caller did not
+    fused = families.fused_mlp_forwards() if fused is None else fused
     *projs, act = _parts(mlp, fused)  # (gate, up, down) or (gate_up, down)
     down = projs[-1]
     gate_up_silu, split_op = _ops(down.weight.device, dependent)  # outside the trace, as the loop plans
@@ -190,13 +192,13 @@ def _split_forward(linear: nn.Linear, dependent: bool = False):
     return forward
 
 
-def _part_names(m: nn.Module, fused: tuple | None = None) -> tuple[str, ...]:
+def _part_names(m: nn.Module, fused: tuple) -> tuple[str, ...]:
     if _fused(m, fused):
         return ("gate_up_proj", "down_proj", "activation_fn")
     return ("gate_proj", "up_proj", "down_proj", "act_fn")
 
 
-def _parts(m: nn.Module, fused: tuple | None = None) -> tuple:
+def _parts(m: nn.Module, fused: tuple) -> tuple:
     """What a kept forward of ``m`` closes over (a new one is made when any of it was replaced;
     ``fused``: as :func:`_fused` takes it)."""
     if isinstance(m, nn.Linear):
